@@ -1,0 +1,37 @@
+"""Paged attention: metadata and backends behind one functional entry point. Knows nothing about scheduling."""
+from __future__ import annotations
+
+import torch
+
+from .metadata import AttentionMetadata, SequenceGroupPlan
+from .torch_backend import store_kv, torch_paged_attention
+
+BACKENDS = ("auto", "torch")
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
+                    block_tables: torch.Tensor | None = None, *, scale: float | None = None,
+                    sliding_window: int | None = None, softcap: float | None = None, backend: str = "auto",
+                    metadata: AttentionMetadata | None = None) -> torch.Tensor:
+    """Causal attention of packed queries [T, H, D] over paged caches [num_blocks, block_size, H_kv, D].
+
+    Either pass a prebuilt `metadata` (the engine does, once per step) or the raw varlen tensors.
+    Queries are aligned bottom-right: the last query row of sequence b sits at position context_lens[b] - 1.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r} is not available here; choose from {BACKENDS}")
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    if metadata is None:
+        if cu_seqlens_q is None or context_lens is None or block_tables is None:
+            raise ValueError("paged_attention needs either metadata or cu_seqlens_q, context_lens and block_tables")
+        cu = cu_seqlens_q.tolist()
+        query_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        block_size = key_cache.shape[1]
+        tables = block_tables.tolist()
+        metadata = AttentionMetadata.build(query_lens, context_lens.tolist(), tables, [], block_size, query.device)
+    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap)
+
+
+__all__ = ["AttentionMetadata", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS"]

@@ -1,0 +1,118 @@
+"""What one forward pass needs to read and write the paged KV cache. Built once per engine step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SequenceGroupPlan:
+    """Sequences of one step padded to a common query length, for backends that compute on dense tiles.
+
+    `query_index[g, j]` is the packed row of query token j of sequence g (0 for padding);
+    `valid` selects the real entries of the flattened [G * max_query_len] tile, `rows` where they go.
+    `allowed[window]` is a bool mask [G, 1, 1, max_query_len, G_kv_len] (bottom-right causal, context
+    length, optional sliding window), built on first use and kept for the other layers of the step.
+    """
+
+    query_index: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    query_start: torch.Tensor  # absolute position of each sequence's first query token [G, 1]
+    query_lens: torch.Tensor  # [G, 1]
+    context_lens: torch.Tensor  # [G, 1]
+    max_query_len: int
+    kv_len: int
+    allowed: dict = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        key = sliding_window or 0
+        if key not in self.allowed:
+            device = self.block_tables.device
+            q_pos = self.query_start + torch.arange(self.max_query_len, device=device)[None, :]  # [G, Q]
+            k_pos = torch.arange(self.kv_len, device=device)[None, None, :]  # [1, 1, L]
+            allowed = k_pos <= q_pos[:, :, None]
+            if sliding_window:
+                allowed &= k_pos > (q_pos[:, :, None] - sliding_window)
+            padded_query = torch.arange(self.max_query_len, device=device)[None, :] >= self.query_lens
+            allowed |= padded_query[:, :, None]  # padding rows attend to everything; their output is dropped
+            self.allowed[key] = allowed[:, None, None]  # [G, 1, 1, Q, L] for (kv head, group) broadcasting
+        return self.allowed[key]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Packed varlen description of one step.
+
+    Token rows of all sequences are packed along one axis (T = cu_seqlens_q[-1]). Sequence b owns rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1]; its cache holds context_lens[b] tokens after this step's writes,
+    so its queries sit at the bottom-right of its causal mask. `slot_mapping[t]` is the flat cache slot
+    (block_id * block_size + offset) that row t writes.
+    """
+
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    context_lens: torch.Tensor  # int32 [B]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [T]
+    max_query_len: int
+    max_context_len: int
+    block_size: int
+    groups: list[SequenceGroupPlan] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+              slot_mapping: list[int], block_size: int, device: torch.device) -> "AttentionMetadata":
+        """From per-sequence Python lists. Decode sequences (1 query token) and longer ones form separate
+        dense groups so a long prefill never pads every decode up to its length."""
+        num_seqs = len(query_lens)
+        cu = [0]
+        for q in query_lens:
+            cu.append(cu[-1] + q)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        meta = cls(
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens),
+            max_context_len=max(context_lens),
+            block_size=block_size,
+        )
+        decode = [i for i in range(num_seqs) if query_lens[i] == 1]
+        longer = [i for i in range(num_seqs) if query_lens[i] > 1]
+        for members in (decode, longer):
+            if members:
+                meta.groups.append(_plan(members, cu, query_lens, context_lens, block_tables, block_size, device))
+        return meta
+
+
+def _plan(members, cu, query_lens, context_lens, block_tables, block_size, device) -> SequenceGroupPlan:
+    max_q = max(query_lens[i] for i in members)
+    max_blocks = max(-(-context_lens[i] // block_size) for i in members)
+    index, valid, rows, tables = [], [], [], []
+    for i in members:
+        q = query_lens[i]
+        seq_rows = list(range(cu[i], cu[i] + q))
+        index.append(seq_rows + [0] * (max_q - q))
+        valid.extend([True] * q + [False] * (max_q - q))
+        rows.extend(seq_rows)
+        table = block_tables[i][:max_blocks]
+        tables.append(table + [0] * (max_blocks - len(table)))
+
+    def column(values):
+        return torch.tensor(values, dtype=torch.int64, device=device)[:, None]
+
+    return SequenceGroupPlan(
+        query_index=torch.tensor(index, dtype=torch.int64, device=device),
+        valid=torch.tensor(valid, dtype=torch.bool, device=device),
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
+        query_start=column([context_lens[i] - query_lens[i] for i in members]),
+        query_lens=column([query_lens[i] for i in members]),
+        context_lens=column([context_lens[i] for i in members]),
+        max_query_len=max_q,
+        kv_len=max_blocks * block_size,
+    )

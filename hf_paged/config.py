@@ -1,0 +1,94 @@
+"""Engine settings. The same keys are accepted by `LLM(...)` and by `generate(cache_config={...})`."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field, fields
+
+import torch
+
+logger = logging.getLogger("hf_paged")
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What the engine may use.
+
+    Invariants after `validate()`: block_size is a power of two >= 1; the KV pool is sized either by
+    `num_blocks` or by the byte budget `kv_cache_memory` (None = a modest device-dependent default,
+    see `default_kv_cache_bytes`).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    attention_backend: str = "torch"
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, options: dict | None) -> "EngineConfig":
+        """Build from a `cache_config` dict or `LLM(**kwargs)`; unknown keys are an error, not ignored."""
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown hf_paged engine option(s) {unknown}; known options: {sorted(known)}")
+        config = cls(**options)
+        config.validate()
+        return config
+
+    def replace(self, **changes) -> "EngineConfig":
+        config = dataclasses.replace(self, **changes)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def positive(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive("block_size")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        positive("num_blocks", allow_none=True)
+        positive("kv_cache_memory", allow_none=True)
+        positive("max_num_seqs")
+        positive("max_num_batched_tokens")
+        positive("max_model_len", allow_none=True)
+        if self.attention_backend not in ("torch", "auto"):
+            raise ValueError(f"attention_backend {self.attention_backend!r} is not available; use 'torch' or 'auto'")
+
+
+def available_host_memory() -> int:
+    """Bytes of RAM still available (MemAvailable), or total physical memory where /proc is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """A modest default: on CPU at most 2 GiB or 20 % of available RAM, whichever is less;
+    on an accelerator 40 % of its currently free memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.4)
+    return min(2 * GiB, int(available_host_memory() * 0.2))
+
+
+__all__ = ["EngineConfig", "default_kv_cache_bytes", "available_host_memory", "logger", "field"]

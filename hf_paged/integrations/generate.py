@@ -1,0 +1,118 @@
+"""Take-over of `generate(..., cache_implementation="paged")`.
+
+transformers >= 5.24 reroutes "paged" to its own `generate_batch` before anything else. Our wrapper
+sees the request first and runs HF's regular `generate` with a `custom_generate` decoding loop, so HF
+still prepares everything (generation config, special tokens, padding mask, `num_return_sequences`
+expansion, logits processors, stopping criteria) and only the decoding runs on the engine.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from ..config import logger
+from ..engine import Engine
+from .generate_run import GenerateRun
+from .model_spec import describe_model
+
+PAGED = "paged"
+# model kwargs the engine understands; anything else (images, inputs_embeds, ...) goes to HF's own loop
+_ENGINE_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_config"}
+
+
+def _wants_paged(model, arguments: dict, extra: dict) -> bool:
+    if "cache_implementation" in extra:
+        return extra["cache_implementation"] == PAGED
+    config = arguments.get("generation_config")
+    if config is not None:
+        return getattr(config, "cache_implementation", None) == PAGED
+    return getattr(model.generation_config, "cache_implementation", None) == PAGED
+
+
+def _set_option(arguments: dict, extra: dict, name: str, value) -> None:
+    """Override one generation option for this call only (the caller's objects are not modified)."""
+    config = arguments.get("generation_config")
+    if config is not None:
+        config = copy.deepcopy(config) if not getattr(config, "_hf_paged_copy", False) else config
+        setattr(config, name, value)
+        config._hf_paged_copy = True
+        arguments["generation_config"] = config
+        if name in extra:
+            extra[name] = value
+    else:
+        extra[name] = value
+
+
+def _fallback_reason(model, arguments: dict, extra: dict) -> str | None:
+    from transformers.generation.configuration_utils import GenerationMode
+
+    for name in ("assistant_model", "negative_prompt_ids", "custom_generate"):
+        if arguments.get(name) is not None:
+            return f"{name} is not supported by the paged engine"
+    if arguments.get("synced_gpus"):
+        return "synced_gpus is not supported by the paged engine"
+    probe = {k: v for k, v in extra.items() if k not in ("tokenizer", "assistant_tokenizer")}
+    config, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **probe)
+    mode = config.get_generation_mode(arguments.get("assistant_model"))
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"generation mode {mode.value!r} is not supported by the paged engine"
+    if config.output_attentions or config.output_hidden_states:
+        return "output_attentions / output_hidden_states need HF's own loop"
+    if config.token_healing:
+        return "token_healing is not supported by the paged engine"
+    odd = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _ENGINE_MODEL_KWARGS)
+    if odd:
+        return f"model inputs {odd} are not supported by the paged engine"
+    inputs = arguments.get("inputs")
+    if inputs is None:
+        inputs = extra.get("input_ids")
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() not in (1, 2) or inputs.is_floating_point():
+        return "the paged engine needs input_ids as a 1D or 2D integer tensor"
+    return None
+
+
+def paged_generate(original, model, args: tuple, kwargs: dict):
+    """The body of the patched `GenerationMixin.generate`."""
+    signature = inspect.signature(original)
+    bound = signature.bind(model, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    extra = dict(arguments.pop("kwargs", {}))
+    if not _wants_paged(model, arguments, extra):
+        return original(model, *args, **kwargs)
+    describe_model(model)  # unsupported architectures: a clear ValueError, before any work
+    _set_option(arguments, extra, "cache_implementation", None)
+    reason = _fallback_reason(model, arguments, extra)
+    if reason is not None:
+        logger.warning("hf_paged: %s; running transformers' own generate loop instead", reason)
+        arguments.pop("self", None)
+        return original(model, **arguments, **extra)
+    call = {"streamer": arguments.get("streamer"), "tokenizer": extra.get("tokenizer")}
+    probe = {k: v for k, v in extra.items() if k not in ("tokenizer", "assistant_tokenizer")}
+    resolved, _ = model._prepare_generation_config(arguments.get("generation_config"), **probe)
+    if resolved.stop_strings:
+        if call["tokenizer"] is None:
+            raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate")
+        from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+
+        user = arguments.get("stopping_criteria") or StoppingCriteriaList()
+        arguments["stopping_criteria"] = StoppingCriteriaList(
+            [StopStringCriteria(call["tokenizer"], resolved.stop_strings), *user])
+        _set_option(arguments, extra, "stop_strings", None)
+    options = extra.pop("cache_config", None) or getattr(resolved, "cache_config", None)
+    call["cache_config"] = options if isinstance(options, dict) else None
+    arguments.pop("self", None)
+    arguments["custom_generate"] = _paged_decoding_loop
+    return original(model, **arguments, **extra, hf_paged_call=call)
+
+
+def _paged_decoding_loop(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                         hf_paged_call=None, **model_kwargs):
+    """Decoding method handed to HF's generate via `custom_generate` (runs after HF's preparation)."""
+    call = hf_paged_call or {}
+    run = GenerateRun(model, input_ids, model_kwargs.get("attention_mask"), generation_config, logits_processor,
+                      stopping_criteria, call.get("streamer"))
+    engine = Engine(model, None, run.engine_config(call.get("cache_config")))
+    run.run(engine)
+    return run.result()

@@ -1,0 +1,53 @@
+"""The KV tensors: per layer, K and V shaped [num_blocks, block_size, num_kv_heads, head_dim]."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import logger
+
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def bytes_per_block(self, block_size: int) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+class KVCache:
+    """One allocation, viewed as `key_caches[layer]` / `value_caches[layer]` (NHD page layout, the
+    one FlashAttention and FlashInfer read). Allocated with torch.empty: pages the engine never hands
+    out are never touched, so they cost no resident memory on CPU."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.storage = torch.empty(shape, dtype=spec.dtype, device=spec.device)
+        self.key_caches = [self.storage[i, 0] for i in range(spec.num_layers)]
+        self.value_caches = [self.storage[i, 1] for i in range(spec.num_layers)]
+        logger.info("hf_paged KV cache: %d blocks x %d tokens, %.1f MiB on %s", num_blocks, block_size,
+                    self.storage.numel() * self.storage.element_size() / 2**20, spec.device)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+
+def choose_num_blocks(spec: KVCacheSpec, block_size: int, num_blocks: int | None, byte_budget: int) -> int:
+    """`num_blocks` when given, else as many blocks as fit in `byte_budget`."""
+    if num_blocks is not None:
+        return num_blocks
+    count = byte_budget // spec.bytes_per_block(block_size)
+    if count < 1:
+        raise ValueError(f"kv_cache_memory of {byte_budget} bytes holds no block of "
+                         f"{spec.bytes_per_block(block_size)} bytes")
+    return int(count)

@@ -1,0 +1,103 @@
+"""`LLM`: the offline batch API (vLLM-style) on top of the engine."""
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+
+from .engine import Engine
+from .request import Request, RequestOutput
+from .sampling import SamplingParams
+
+
+class LLM:
+    """Generate for many prompts at once with continuous batching over a paged KV cache.
+
+    `LLM(model, tokenizer=tok, block_size=16, max_num_seqs=128)` takes the same keys as
+    `generate(..., cache_config={...})` (see `EngineConfig`).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, **options):
+        self.engine = Engine(model, tokenizer, **options)
+
+    # streaming-style access -----------------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        """Queue one prompt; returns its request id. Invalid input raises ValueError before anything is queued."""
+        created = self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+        return created[0].request_id.split("#")[0]
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; an output for every request that received a token (finished ones release memory)."""
+        outputs = []
+        for request in self.engine.step():
+            outputs.append(self.engine.output([request]))
+            if request.is_finished:
+                self.engine.release(request)
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # offline batch ---------------------------------------------------------------------------------
+    def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Outputs in input order. Every prompt and its parameters are validated before any work starts."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        engine = self.engine
+        tokenized = [engine.tokenize(p, i) for i, p in enumerate(prompts)]
+        for i, (ids, params) in enumerate(zip(tokenized, params_list)):
+            engine.check_request(i, ids, params)
+        groups: list[list[Request]] = []
+        for i, (ids, params) in enumerate(zip(tokenized, params_list)):
+            text = prompts[i] if isinstance(prompts[i], str) else None
+            groups.append(engine.add_request(ids, params, index=i, prompt_text=text,
+                                             priority=priority[i] if priority else 0))
+        self._run(groups, use_tqdm)
+        outputs = [engine.output(group) for group in groups]
+        for group in groups:
+            for request in group:
+                engine.release(request)
+        return outputs
+
+    def _run(self, groups: list[list[Request]], use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(groups), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        owner = {id(r): g for g in groups for r in g}
+        counted: set[int] = set()
+        start = time.perf_counter()
+        prompt_tokens = output_tokens = 0
+        while self.engine.has_unfinished:
+            stepped = self.engine.step()
+            if bar is None:
+                continue
+            for request in stepped:
+                group = owner.get(id(request))
+                if group is not None and id(group[0]) not in counted and all(r.is_finished for r in group):
+                    counted.add(id(group[0]))
+                    prompt_tokens += group[0].num_prompt_tokens
+                    output_tokens += sum(r.num_output_tokens for r in group)
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"est. input {prompt_tokens / elapsed:.0f} tok/s, "
+                                        f"output {output_tokens / elapsed:.0f} tok/s", refresh=False)
+                    bar.update(1)
+        if bar is not None:
+            bar.close()

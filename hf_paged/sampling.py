@@ -1,0 +1,177 @@
+"""Sampling parameters (vLLM names) and the batched sampler that runs on the model's device."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request decoding settings. `validate()` raises ValueError naming the bad field."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def integer(name: str, low: int) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+        integer("max_tokens", 1)
+        integer("min_tokens", 0)
+        integer("n", 1)
+        integer("top_k", -1)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+
+def _penalize(logits: torch.Tensor, history: list[list[int]], outputs: list[list[int]], params: list[SamplingParams]):
+    """Repetition penalty (HF semantics, prompt + output) and presence / frequency penalties (output only)."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)
+    if (rep != 1.0).any():
+        seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
+        for row, tokens in enumerate(history):
+            if tokens:
+                seen[row, torch.tensor(tokens, device=device)] = True
+        penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+        logits = torch.where(seen, penalized, logits)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)
+    if (presence != 0).any() or (frequency != 0).any():
+        counts = torch.zeros(num_rows, vocab, dtype=logits.dtype, device=device)
+        for row, tokens in enumerate(outputs):
+            if tokens:
+                idx = torch.tensor(tokens, device=device)
+                counts[row].index_add_(0, idx, torch.ones(len(tokens), dtype=logits.dtype, device=device))
+        logits = logits - frequency[:, None] * counts - presence[:, None] * (counts > 0)
+    return logits
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k, top-p and min-p in one sort; rows that use none of them pass through untouched."""
+    device = logits.device
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+    if bool((top_k >= logits.shape[1]).all() and (top_p >= 1.0).all() and (min_p <= 0.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # keep a token while the mass strictly before it is < top_p (the top token always survives)
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop |= probs < (min_p[:, None] * probs[:, :1])
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Samples one token per row in one batched pass.
+
+    Reproducibility: a row whose request has a `seed` draws its noise from its own generator, so its
+    tokens do not depend on what else is in the batch. Sampling uses the exponential-race form of
+    multinomial sampling: argmax(p / E) with E ~ Exp(1) per vocabulary entry.
+    """
+
+    def __init__(self, device: torch.device, seed: int | None = None):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], history: list[list[int]],
+                 outputs: list[list[int]], generators: list[torch.Generator | None],
+                 banned: list[list[int]]) -> SampleResult:
+        raw = logits
+        logits = _penalize(logits, history, outputs, params)
+        for row, tokens in enumerate(banned):
+            if tokens:
+                logits[row, tokens] = float("-inf")
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        if bool(greedy.all()):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
+                                       device=logits.device, dtype=logits.dtype)
+            scaled = _truncate(logits / temperature[:, None], params)
+            probs = scaled.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for row, gen in enumerate(generators):
+                if gen is not None:
+                    noise[row].exponential_(generator=gen)
+            sampled = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        token_list = token_ids.tolist()
+        return SampleResult(token_list, _logprobs(raw, token_list, params))
+
+
+def _logprobs(raw: torch.Tensor, token_ids: list[int], params: list[SamplingParams]):
+    wanted = [p.logprobs for p in params]
+    if all(k is None for k in wanted):
+        return [None] * len(params)
+    logp = raw.float().log_softmax(dim=-1)
+    result: list[dict[int, float] | None] = []
+    for row, k in enumerate(wanted):
+        if k is None:
+            result.append(None)
+            continue
+        entry = {token_ids[row]: float(logp[row, token_ids[row]])}
+        if k > 0:
+            values, indices = logp[row].topk(k)
+            entry.update(zip(indices.tolist(), values.tolist()))
+        result.append(entry)
+    return result

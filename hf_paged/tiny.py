@@ -1,0 +1,64 @@
+"""Tiny random-weight models of real architectures, built from configs (no downloads).
+
+Used by `hf-paged demo`, the tests and the benchmarks. `sharpen` scales the output head so greedy
+choices have clear margins and fp reordering between implementations cannot flip them.
+"""
+from __future__ import annotations
+
+import torch
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2", "gpt_neox", "mixtral")
+
+
+def tiny_config(arch: str, vocab_size: int = 256, hidden: int = 64, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, max_len: int = 512, **overrides):
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  intermediate_size=hidden * 2, max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, tie_word_embeddings=False)
+    if arch == "llama":
+        config = tf.LlamaConfig(num_key_value_heads=kv_heads, **common)
+    elif arch == "mistral":
+        config = tf.MistralConfig(num_key_value_heads=kv_heads, sliding_window=8, **common)
+    elif arch == "qwen2":
+        config = tf.Qwen2Config(num_key_value_heads=kv_heads, **common)
+    elif arch == "qwen3":
+        config = tf.Qwen3Config(num_key_value_heads=kv_heads, head_dim=hidden // heads, **common)
+    elif arch == "gemma2":
+        config = tf.Gemma2Config(num_key_value_heads=kv_heads, head_dim=hidden // heads, sliding_window=8,
+                                 attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                                 query_pre_attn_scalar=hidden // heads, **common)
+    elif arch == "phi3":
+        config = tf.Phi3Config(num_key_value_heads=kv_heads, **common)
+    elif arch == "mixtral":
+        config = tf.MixtralConfig(num_key_value_heads=kv_heads, num_local_experts=4, num_experts_per_tok=2,
+                                  sliding_window=None, **common)
+    elif arch == "gpt2":
+        config = tf.GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads,
+                               n_positions=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    elif arch == "gpt_neox":
+        config = tf.GPTNeoXConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+                                  num_attention_heads=heads, intermediate_size=hidden * 2,
+                                  max_position_embeddings=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                  tie_word_embeddings=False)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 8.0, dtype=torch.float32,
+               attn_implementation: str | None = None, **config_overrides):
+    """A random-weight causal LM in eval mode. `sharpen` multiplies the output head's weights."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    model.generation_config.pad_token_id = config.pad_token_id
+    model.generation_config.eos_token_id = config.eos_token_id
+    return model.eval()

@@ -13,11 +13,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     cu_seqlens_q: torch.Tensor | None = None, context_lens: torch.Tensor | None = None,
                     block_tables: torch.Tensor | None = None, *, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None, backend: str = "auto",
-                    metadata: AttentionMetadata | None = None) -> torch.Tensor:
+                    metadata: AttentionMetadata | None = None, key: torch.Tensor | None = None,
+                    value: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed queries [T, H, D] over paged caches [num_blocks, block_size, H_kv, D].
 
     Either pass a prebuilt `metadata` (the engine does, once per step) or the raw varlen tensors.
     Queries are aligned bottom-right: the last query row of sequence b sits at position context_lens[b] - 1.
+    `key` / `value` (the new tokens' K/V, [T, H_kv, D], already stored) let backends skip re-reading pages.
     """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not available here; choose from {BACKENDS}")
@@ -30,8 +32,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         query_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         block_size = key_cache.shape[1]
         tables = block_tables.tolist()
-        metadata = AttentionMetadata.build(query_lens, context_lens.tolist(), tables, [], block_size, query.device)
-    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap)
+        contexts = context_lens.tolist()
+        slots = [table[p // block_size] * block_size + p % block_size
+                 for table, q, c in zip(tables, query_lens, contexts) for p in range(c - q, c)]
+        metadata = AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, query.device)
+    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value)
 
 
 __all__ = ["AttentionMetadata", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS"]

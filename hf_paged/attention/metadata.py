@@ -60,12 +60,15 @@ class AttentionMetadata:
     max_context_len: int
     block_size: int
     groups: list[SequenceGroupPlan] = field(default_factory=list)
+    fresh: list[tuple[int, int]] = field(default_factory=list)  # row ranges of prompts with no cached context
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               slot_mapping: list[int], block_size: int, device: torch.device) -> "AttentionMetadata":
-        """From per-sequence Python lists. Decode sequences (1 query token) and longer ones form separate
-        dense groups so a long prefill never pads every decode up to its length."""
+        """From per-sequence Python lists. Three kinds of sequences are planned separately so that no
+        kind pads another: decodes (1 query token) form one dense group; fresh prompts (nothing cached
+        before this step) are listed in `fresh` and attend over their own new K/V; the rest (chunked
+        or resumed prefills) form a second dense group over their pages."""
         num_seqs = len(query_lens)
         cu = [0]
         for q in query_lens:
@@ -82,7 +85,9 @@ class AttentionMetadata:
             block_size=block_size,
         )
         decode = [i for i in range(num_seqs) if query_lens[i] == 1]
-        longer = [i for i in range(num_seqs) if query_lens[i] > 1]
+        fresh = [i for i in range(num_seqs) if 1 < query_lens[i] == context_lens[i]]
+        longer = [i for i in range(num_seqs) if 1 < query_lens[i] < context_lens[i]]
+        meta.fresh = [(cu[i], cu[i + 1]) for i in fresh]
         for members in (decode, longer):
             if members:
                 meta.groups.append(_plan(members, cu, query_lens, context_lens, block_tables, block_size, device))

@@ -32,11 +32,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     layer = module.layer_idx
     cache = paged_context.kv_cache
     meta = paged_context.metadata
-    q = query[0].transpose(0, 1)
-    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), cache.key_caches[layer], cache.value_caches[layer],
-             meta.slot_mapping)
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping)
     out = paged_attention(q, cache.key_caches[layer], cache.value_caches[layer], metadata=meta, scale=scaling,
-                          sliding_window=sliding_window, softcap=softcap, backend=paged_context.backend)
+                          sliding_window=sliding_window, softcap=softcap, backend=paged_context.backend,
+                          key=k, value=v)
     return out[None], None
 
 

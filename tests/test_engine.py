@@ -1,0 +1,174 @@
+"""The LLM / Engine API: outputs, memory accounting, bad input, failures that hit one request only."""
+import pytest
+import torch
+
+import hf_paged
+from hf_paged import LLM, SamplingParams
+
+from conftest import cached_model, left_padded_batch
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def prompts(count=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (int(n),), generator=gen).tolist()
+            for n in torch.randint(2, 30, (count,), generator=gen)]
+
+
+def hf_greedy(model, prompt, max_new):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                         do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_generate_matches_hf_in_input_order_and_frees_everything(llama):
+    llm = LLM(llama, block_size=8, num_blocks=64)
+    batch = prompts()
+    outs = llm.generate(batch, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == batch
+    for o, p in zip(outs, batch):
+        assert o.token_ids == hf_greedy(llama, p, 12)
+        assert o.finish_reason == "length" and o.num_cached_tokens == 0
+    stats = llm.stats()
+    assert stats["num_blocks_free"] == stats["num_blocks_total"] == 64
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    llm.engine.check_idle()
+
+
+def test_preemption_under_pressure_gives_same_outputs(llama):
+    batch = prompts(8, seed=1)
+    roomy = LLM(llama, block_size=4, num_blocks=512).generate(batch, GREEDY, use_tqdm=False)
+    tight = LLM(llama, block_size=4, num_blocks=24)
+    outs = tight.generate(batch, GREEDY, use_tqdm=False)
+    assert tight.stats()["num_preemptions"] > 0, "pool was not small enough to force preemption"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    tight.engine.check_idle()
+
+
+def test_seeded_sampling_reproducible_regardless_of_batch(llama):
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=50, top_p=0.9, seed=1234)
+    target = [5, 6, 7, 8, 9]
+    alone = LLM(llama).generate([target], params, use_tqdm=False)[0].token_ids
+    others = [SamplingParams(max_tokens=10, temperature=1.0)] * 3
+    mixed = LLM(llama).generate(prompts(3, seed=7) + [target], others + [params], use_tqdm=False)[-1].token_ids
+    assert alone == mixed
+    different = LLM(llama).generate([target], SamplingParams(max_tokens=10, temperature=0.9, seed=99),
+                                    use_tqdm=False)[0].token_ids
+    assert different != alone
+
+
+def test_n_samples_stop_tokens_min_tokens_and_logprobs(llama):
+    llm = LLM(llama)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=0, logprobs=2),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 3 and len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert all(len(c.logprobs) == len(c.token_ids) and len(c.logprobs[0]) >= 2 for c in out.outputs)
+    free = hf_greedy(llama, [5, 6, 7], 8)
+    stop = free[3]
+    first = free.index(stop)
+    stopped = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop]),
+                           use_tqdm=False)[0]
+    assert stopped.token_ids == free[:first + 1] and stopped.finish_reason == "stop"
+    late = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, min_tokens=6, stop_token_ids=[stop]),
+                        use_tqdm=False)[0]
+    assert len(late.token_ids) >= 6 and stop not in late.token_ids[:6]
+
+
+def test_eos_finishes_request(llama):
+    free = hf_greedy(llama, [9, 8, 7, 6], 10)
+    llama.generation_config.eos_token_id = free[2]
+    try:
+        out = LLM(llama).generate([[9, 8, 7, 6]], SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0]
+    finally:
+        llama.generation_config.eos_token_id = 2
+    assert out.token_ids == free[:free.index(free[2]) + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ([], GREEDY, "prompt is empty"),
+    ([1, 2, 999], GREEDY, "outside the vocabulary"),
+    ([1, 2, 3], SamplingParams(max_tokens=600), "maximum length"),
+    ([1, 2, 3], SamplingParams(temperature=-1.0), "temperature"),
+    ([1, 2, 3], SamplingParams(top_p=0.0), "top_p"),
+    ([1, 2, 3], SamplingParams(n=0), "n must"),
+    ([1, 2, 3], SamplingParams(max_tokens=0), "max_tokens"),
+    ("text without tokenizer", GREEDY, "tokenizer"),
+])
+def test_bad_input_is_rejected_up_front_naming_the_request(llama, prompt, params, message):
+    llm = LLM(llama)
+    good = [[4, 5, 6], [7, 8]]
+    with pytest.raises(ValueError, match=message) as err:
+        llm.generate(good + [prompt], [GREEDY, GREEDY, params], use_tqdm=False)
+    assert "request 2" in str(err.value)
+    assert llm.stats()["num_waiting"] == 0 and llm.stats()["num_running"] == 0  # nothing was queued
+    outs = llm.generate(good, GREEDY, use_tqdm=False)  # the engine is still usable
+    assert outs[0].token_ids == hf_greedy(llama, good[0], 12)
+
+
+def test_request_larger_than_pool_is_rejected(llama):
+    llm = LLM(llama, block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="request 1: .*never fit the KV pool"):
+        llm.generate([[3, 4], list(range(3, 30))], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+def test_failure_while_running_ends_only_that_request(llama):
+    """NaN logits for one request (a poisoned embedding row) end it with an error; the others finish normally."""
+    model = cached_model("llama", max_len=256)
+    poison = 250
+    saved = model.get_input_embeddings().weight[poison].clone()
+    model.get_input_embeddings().weight.data[poison] = float("nan")
+    try:
+        llm = LLM(model)
+        outs = llm.generate([[4, 5, 6], [7, poison], [9, 10]], GREEDY, use_tqdm=False)
+    finally:
+        model.get_input_embeddings().weight.data[poison] = saved
+    assert outs[1].finish_reason == "error" and "non-finite" in outs[1].error
+    assert outs[0].finish_reason == outs[2].finish_reason == "length"
+    assert outs[0].token_ids == hf_greedy(model, [4, 5, 6], 12)
+    llm.engine.check_idle()
+    assert llm.generate([[7, 8]], GREEDY, use_tqdm=False)[0].finish_reason == "length"
+
+
+def test_streaming_api_add_step_abort(llama):
+    llm = LLM(llama)
+    a = llm.add_request([3, 4, 5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    b = llm.add_request([6, 7], GREEDY)
+    seen = {a: 0, b: 0}
+    for _ in range(3):
+        for out in llm.step():
+            seen[out.request_id] += 1
+    assert seen[a] == seen[b] == 3
+    assert llm.abort(a)
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.stats()["num_blocks_free"] == llm.stats()["num_blocks_total"]
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request([1, 2], request_id="x") and llm.add_request([1, 2], request_id="x")
+
+
+def test_unsupported_models_get_a_clear_error():
+    from transformers import AutoModelForCausalLM, MambaConfig, T5Config, T5ForConditionalGeneration
+
+    mamba = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1))
+    with pytest.raises(ValueError, match="mamba"):
+        LLM(mamba)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        t5.generate(torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="paged")
+
+
+def test_cache_config_unknown_key_is_an_error(llama):
+    ids, mask = left_padded_batch([3, 5])
+    with pytest.raises(ValueError, match="unknown hf_paged engine option"):
+        llama.generate(ids, attention_mask=mask, max_new_tokens=2, cache_implementation="paged",
+                       cache_config={"blok_size": 16})
+
+
+def test_default_pool_is_modest(llama):
+    llm = LLM(llama)
+    from hf_paged.config import available_host_memory
+
+    assert llm.stats()["kv_cache_bytes"] <= min(2 << 30, 0.2 * available_host_memory()) + 1
+    assert hf_paged.is_enabled()

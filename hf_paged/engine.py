@@ -162,7 +162,7 @@ class Engine:
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[int, bool] | None]:
         """One (token, stop_now) per request; None where the request ended with an error."""
         result: list[tuple[int, bool] | None] = [None] * len(requests)
-        finite = torch.isfinite(logits).all(dim=-1).tolist() if requests else []
+        finite = torch.isfinite(logits.sum(dim=-1)).tolist() if requests else []  # NaN/inf anywhere poisons the sum
         native, hooked = [], {}
         for i, request in enumerate(requests):
             if not finite[i]:

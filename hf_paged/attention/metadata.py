@@ -12,14 +12,15 @@ class SequenceGroupPlan:
 
     `query_index[g, j]` is the packed row of query token j of sequence g (0 for padding);
     `valid` selects the real entries of the flattened [G * max_query_len] tile, `rows` where they go.
-    `allowed[window]` is a bool mask [G, 1, 1, max_query_len, G_kv_len] (bottom-right causal, context
-    length, optional sliding window), built on first use and kept for the other layers of the step.
+    `allowed[window]` is a bool mask [G, 1, max_query_len, kv_len] (bottom-right causal, context length,
+    optional sliding window), built on first use and kept for the other layers of the step.
     """
 
     query_index: torch.Tensor
     valid: torch.Tensor
     rows: torch.Tensor
-    block_tables: torch.Tensor
+    block_tables: torch.Tensor  # [G, max_blocks] int64
+    flat_tables: torch.Tensor  # the same, flattened, for one index_select per cache
     query_start: torch.Tensor  # absolute position of each sequence's first query token [G, 1]
     query_lens: torch.Tensor  # [G, 1]
     context_lens: torch.Tensor  # [G, 1]
@@ -38,7 +39,7 @@ class SequenceGroupPlan:
                 allowed &= k_pos > (q_pos[:, :, None] - sliding_window)
             padded_query = torch.arange(self.max_query_len, device=device)[None, :] >= self.query_lens
             allowed |= padded_query[:, :, None]  # padding rows attend to everything; their output is dropped
-            self.allowed[key] = allowed[:, None, None]  # [G, 1, 1, Q, L] for (kv head, group) broadcasting
+            self.allowed[key] = allowed[:, None]  # [G, 1, Q, L]: broadcast over heads
         return self.allowed[key]
 
 
@@ -110,11 +111,13 @@ def _plan(members, cu, query_lens, context_lens, block_tables, block_size, devic
     def column(values):
         return torch.tensor(values, dtype=torch.int64, device=device)[:, None]
 
+    block_tables = torch.tensor(tables, dtype=torch.int64, device=device)
     return SequenceGroupPlan(
         query_index=torch.tensor(index, dtype=torch.int64, device=device),
         valid=torch.tensor(valid, dtype=torch.bool, device=device),
         rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
+        block_tables=block_tables,
+        flat_tables=block_tables.reshape(-1),
         query_start=column([context_lens[i] - query_lens[i] for i in members]),
         query_lens=column([query_lens[i] for i in members]),
         context_lens=column([context_lens[i] for i in members]),

@@ -1,9 +1,10 @@
 """Reference paged attention in plain torch: works on any device and dtype.
 
-Dense groups (see `SequenceGroupPlan`): gather the group's pages into [G, L, H_kv, D], arrange the
-queries as [G, H_kv, heads_per_kv * Q, D] so every query head of a GQA group shares one K/V read,
-mask, softmax, and scatter the rows back. Fresh prompts attend over their own new K/V with causal SDPA
-(no gather, no padding, masked-out blocks skipped).
+Dense groups (see `SequenceGroupPlan`): gather the group's pages into [G, L, H_kv, D] with one
+index_select per cache, attend with a bool mask through SDPA (GQA without repeating K/V), and scatter
+the rows back. Fresh prompts attend over their own new K/V with causal SDPA (no gather, no padding,
+masked-out blocks skipped). Soft-capped logits take a matmul path that views each GQA group's query
+heads as rows of one matrix, so every K/V head is still read once.
 """
 from __future__ import annotations
 
@@ -29,25 +30,34 @@ def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
-    per_kv = num_heads // num_kv_heads
     groups, max_q = plan.query_index.shape
-    dtype = _compute_dtype(query.dtype)
-
-    q = query[plan.query_index].to(dtype)  # [G, Q, H, D]
-    q = q.view(groups, max_q, num_kv_heads, per_kv, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(groups, num_kv_heads, per_kv * max_q, head_dim)
-    k = key_cache[plan.block_tables].view(groups, plan.kv_len, num_kv_heads, head_dim).to(dtype)
-    v = value_cache[plan.block_tables].view(groups, plan.kv_len, num_kv_heads, head_dim).to(dtype)
-
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [G, Hkv, per_kv * Q, L]
+    q = query[plan.query_index].transpose(1, 2)  # [G, H, Q, D]
+    k = key_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    allowed = plan.mask(sliding_window)  # [G, 1, Q, L]
     if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(groups, num_kv_heads, per_kv, max_q, plan.kv_len)
-    scores = scores.masked_fill_(~plan.mask(sliding_window), float("-inf"))
-    probs = scores.softmax(dim=-1).view(groups, num_kv_heads, per_kv * max_q, plan.kv_len)
-    out = torch.matmul(probs, v.transpose(1, 2)).to(query.dtype)  # [G, Hkv, per_kv * Q, D]
-    out = out.view(groups, num_kv_heads, per_kv, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(groups * max_q, num_heads, head_dim)[plan.valid]
+        out = _softcapped(q, k, v, allowed, scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
+                                             enable_gqa=True)
+    return out.transpose(1, 2).reshape(groups * max_q, num_heads, head_dim)[plan.valid]
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                softcap: float) -> torch.Tensor:
+    """Attention with tanh logit soft-capping (SDPA has no such option). q [B, H, Q, D]; k, v [B, H_kv, L, D];
+    query heads are viewed as [H_kv, heads_per_kv * Q] rows so each K/V head is read once per group."""
+    batch, num_heads, max_q, head_dim = q.shape
+    num_kv_heads, kv_len = k.shape[1], k.shape[2]
+    per_kv = num_heads // num_kv_heads
+    dtype = _compute_dtype(q.dtype)
+    rows = q.to(dtype).reshape(batch, num_kv_heads, per_kv * max_q, head_dim)
+    scores = torch.matmul(rows, k.to(dtype).transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(batch, num_kv_heads, per_kv, max_q, kv_len).masked_fill_(~allowed[:, :, None],
+                                                                                  float("-inf"))
+    probs = scores.softmax(dim=-1).view(batch, num_kv_heads, per_kv * max_q, kv_len)
+    return torch.matmul(probs, v.to(dtype)).view(batch, num_heads, max_q, head_dim).to(q.dtype)
 
 
 def _window_mask(length: int, sliding_window: int, device: torch.device) -> torch.Tensor:
@@ -59,24 +69,19 @@ def _window_mask(length: int, sliding_window: int, device: torch.device) -> torc
 def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                   sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """One prompt with nothing cached: q [L, H, D], k/v [L, H_kv, D] -> [L, H, D]."""
-    length, num_heads, _ = query.shape
-    dtype = _compute_dtype(query.dtype)
-    q, k, v = (t.transpose(0, 1).to(dtype) for t in (query, key, value))  # [heads, L, D]
+    length = query.shape[0]
+    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, L, D]
     windowed = sliding_window is not None and sliding_window < length
     if softcap:
-        per_kv = num_heads // k.shape[0]
-        k, v = k.repeat_interleave(per_kv, 0), v.repeat_interleave(per_kv, 0)
-        scores = torch.tanh(torch.matmul(q, k.transpose(1, 2)) * scale / softcap) * softcap
         allowed = (_window_mask(length, sliding_window, query.device) if windowed
                    else torch.ones(length, length, dtype=torch.bool, device=query.device).tril_())
-        out = torch.matmul(scores.masked_fill_(~allowed, float("-inf")).softmax(-1), v)
+        out = _softcapped(q, k, v, allowed[None, None], scale, softcap)
     elif windowed:
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=True,
-                                             attn_mask=_window_mask(length, sliding_window, query.device))[0]
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,
+                                             attn_mask=_window_mask(length, sliding_window, query.device))
     else:
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, is_causal=True,
-                                             enable_gqa=True)[0]
-    return out.transpose(0, 1).to(query.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -19,7 +19,7 @@ from .model_spec import describe_model
 
 PAGED = "paged"
 # model kwargs the engine understands; anything else (images, inputs_embeds, ...) goes to HF's own loop
-_ENGINE_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_config"}
+_ENGINE_MODEL_KWARGS = {"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_config"}
 
 
 def _wants_paged(model, arguments: dict, extra: dict) -> bool:
@@ -45,6 +45,12 @@ def _set_option(arguments: dict, extra: dict, name: str, value) -> None:
         extra[name] = value
 
 
+def _left_padded(mask: torch.Tensor) -> bool:
+    """Every row is zeros then ones, ending with a real token: the engine drops the zeros."""
+    mask = (mask != 0).int()
+    return bool(mask[:, -1].all() and (mask[:, 1:] >= mask[:, :-1]).all())
+
+
 def _fallback_reason(model, arguments: dict, extra: dict) -> str | None:
     from transformers.generation.configuration_utils import GenerationMode
 
@@ -62,6 +68,9 @@ def _fallback_reason(model, arguments: dict, extra: dict) -> str | None:
         return "output_attentions / output_hidden_states need HF's own loop"
     if config.token_healing:
         return "token_healing is not supported by the paged engine"
+    mask = model_kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not _left_padded(mask):
+        return "the attention mask is not plain left padding (right padding or gaps)"
     odd = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _ENGINE_MODEL_KWARGS)
     if odd:
         return f"model inputs {odd} are not supported by the paged engine"

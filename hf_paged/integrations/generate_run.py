@@ -11,15 +11,18 @@ from ..request import Request
 from ..sampling import SamplingParams
 
 _NATIVE_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
+_SCORE_BLIND_CRITERIA = (*_NATIVE_CRITERIA, "StopStringCriteria", "MaxTimeCriteria")
 
 
 class GenerateRun:
     """Sampling controller for the rows of one generate call (the engine's `controller` protocol:
     `process(requests, logits) -> [(token, stop_now)]`).
 
-    HF sees, per row, exactly the `input_ids` its own loop would hold: the row as passed in (padding
-    kept) followed by the tokens generated so far. Rows sampled together in one step with equal lengths
-    go through the processors and criteria as one batch, in their original order.
+    HF's processors and criteria see exactly the `input_ids` its own loop would hold: every row as passed
+    in (padding kept) followed by the tokens generated so far, the whole batch in its order. As in HF, rows that
+    stop are padded only when an EOS criterion exists; otherwise every row keeps generating until the
+    last one stops (`self.length`, the common final length). An exception raised by a processor or a
+    criterion ends the call and reaches the caller unchanged.
     """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
@@ -28,7 +31,7 @@ class GenerateRun:
         self.input_ids = input_ids
         self.rows = input_ids.tolist()
         mask = attention_mask.tolist() if attention_mask is not None else None
-        # the real tokens of each row (left or right padding removed); positions restart at 0 like HF's
+        # the real tokens of each row (left padding removed); positions restart at 0 like HF's
         self.prompts = [[t for t, m in zip(row, mask[b]) if m] if mask is not None else list(row)
                         for b, row in enumerate(self.rows)]
         self.config = generation_config
@@ -45,6 +48,10 @@ class GenerateRun:
         self.max_new_tokens = max(1, generation_config.max_length - input_ids.shape[1])
         self.scores: list[list[torch.Tensor]] = [[] for _ in self.rows]
         self.raw_logits: list[list[torch.Tensor]] = [[] for _ in self.rows]
+        self.pads_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        self.stopped: dict[int, int] = {}  # row -> output count when it first stopped (no-EOS mode)
+        self.length: int | None = None
+        self.error: Exception | None = None
         self.requests: list[Request] = []
         self.streamed = 0
 
@@ -69,33 +76,75 @@ class GenerateRun:
         return config
 
     # ---- controller protocol ------------------------------------------------------------------------
-    def _history(self, request: Request) -> list[int]:
-        return self.rows[request.index] + request.output_token_ids
+    def _batch_ids(self, length: int) -> list[list[int]]:
+        """Every row as HF's `input_ids` holds it at `length`: the row as passed in, then its new tokens, then
+        pads once it finished (rows at another length are cut or padded; their results are not used)."""
+        out = []
+        for row, request in zip(self.rows, self.requests):
+            history = (row + request.output_token_ids)[:length]
+            out.append(history + [self.pad] * (length - len(history)))
+        return out
 
     def process(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[int, bool]]:
-        order = sorted(range(len(requests)), key=lambda i: requests[i].index)
+        try:
+            return self._process(requests, logits)
+        except Exception as e:  # HF would raise it from `generate`: `run` re-raises it
+            self.error = e
+            raise
+
+    def _process(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[int, bool]]:
+        """Processors, sampling and criteria always see the whole batch in its original order, as in HF's loop
+        (processors may hold per-row state); rows not sampled at this length get zero logits, and pads."""
         picks: list[tuple[int, bool] | None] = [None] * len(requests)
         by_length: dict[int, list[int]] = {}
-        for i in order:
-            by_length.setdefault(len(self._history(requests[i])), []).append(i)
-        for members in by_length.values():
-            ids = torch.tensor([self._history(requests[i]) for i in members], dtype=torch.long,
-                               device=logits.device)
-            raw = logits[torch.tensor(members, device=logits.device)]
+        for i, request in enumerate(requests):
+            by_length.setdefault(len(self.rows[request.index]) + request.num_output_tokens, []).append(i)
+        device = logits.device
+        for length, members in by_length.items():
+            rows = torch.tensor([requests[i].index for i in members], device=device)
+            ids = torch.tensor(self._batch_ids(length), dtype=torch.long, device=device)
+            raw = logits.new_zeros(len(self.rows), logits.shape[-1])
+            raw[rows] = logits[torch.tensor(members, device=device)]
             scores = self.logits_processor(ids, raw.clone())
             if self.do_sample:
-                tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                probs = torch.ones_like(scores)  # other rows: uniform, so sampling draws for every row like HF
+                probs[rows] = torch.softmax(scores[rows], dim=-1)
+                tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
             else:
                 tokens = scores.argmax(dim=-1)
-            stop = self.stopping_criteria(torch.cat([ids, tokens[:, None]], dim=-1), scores)
-            for j, i in enumerate(members):
-                row = requests[i].index
+            chosen = torch.full_like(tokens, self.pad)
+            chosen[rows] = tokens[rows]
+            for row in rows.tolist():
                 if self.want_scores:
-                    self.scores[row].append(scores[j])
+                    self.scores[row].append(scores[row])
                 if self.want_logits:
-                    self.raw_logits[row].append(raw[j])
-                picks[i] = (int(tokens[j]), bool(stop[j]))
+                    self.raw_logits[row].append(raw[row])
+            steps = length + 1 - self.input_ids.shape[1]
+            stop = self.stopping_criteria(torch.cat([ids, chosen[:, None]], dim=-1), self._scores_so_far(steps))
+            counts = {requests[i].index: requests[i].num_output_tokens + 1 for i in members}
+            if not self.pads_finished:
+                self._note_stops(counts, stop)
+            for i in members:
+                row = requests[i].index
+                done = bool(stop[row]) if self.pads_finished else self.length is not None and counts[row] >= self.length
+                picks[i] = (int(chosen[row]), done)
         return picks
+
+    def _scores_so_far(self, steps: int):
+        """What HF hands stopping criteria as `scores`: None unless scores are collected, else the tuple so far
+        (built only for criteria that may read it)."""
+        if not self.want_scores or all(type(c).__name__ in _SCORE_BLIND_CRITERIA for c in self.stopping_criteria):
+            return None
+        return self._stack(self.scores, steps)
+
+    def _note_stops(self, counts: dict[int, int], stop: torch.Tensor) -> None:
+        """Without an EOS criterion HF pads nothing: rows that stop keep generating until the last one stops,
+        whose count becomes everyone's final length."""
+        for row, count in counts.items():
+            if stop[row]:
+                self.stopped.setdefault(row, count)
+        if self.length is None and len(self.stopped) == len(self.rows):
+            self.length = max(self.stopped.values())
 
     # ---- streaming and results --------------------------------------------------------------------
     def _column(self, step: int) -> list[int]:
@@ -107,6 +156,8 @@ class GenerateRun:
             return
         while True:
             step = self.streamed
+            if self.length is not None and step >= self.length:
+                return
             if not all(r.num_output_tokens > step or r.is_finished for r in self.requests):
                 return
             if all(r.num_output_tokens <= step for r in self.requests):
@@ -119,9 +170,11 @@ class GenerateRun:
         controller = None if self.native else self
         for b, prompt in enumerate(self.prompts):
             self.requests += engine.add_request(prompt, params, index=b, controller=controller)
-        while engine.has_unfinished:
+        while engine.has_unfinished and self.error is None:
             engine.step()
             self.stream_ready()
+        if self.error is not None:
+            raise self.error
         failed = [r for r in self.requests if r.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"hf_paged generate: row {failed[0].index} failed: {failed[0].error}")
@@ -130,8 +183,9 @@ class GenerateRun:
 
     def result(self):
         steps = max(r.num_output_tokens for r in self.requests)
-        new = torch.tensor([r.output_token_ids + [self.pad] * (steps - r.num_output_tokens) for r in self.requests],
-                           dtype=torch.long)
+        steps = min(steps, self.length or steps)
+        new = torch.tensor([r.output_token_ids[:steps] + [self.pad] * (steps - r.num_output_tokens)
+                            for r in self.requests], dtype=torch.long)
         sequences = torch.cat([self.input_ids, new.to(self.input_ids.device)], dim=1)
         if not self.config.return_dict_in_generate:
             return sequences

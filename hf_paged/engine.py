@@ -187,7 +187,7 @@ class Engine:
             try:
                 picks = group[0].controller.process(group, logits[torch.tensor(members, device=logits.device)])
             except Exception as e:  # a user hook failing ends only its own requests
-                logger.warning("hf_paged: sampling hook failed: %r", e)
+                logger.debug("hf_paged: sampling hook failed: %r", e)
                 for r in group:
                     r.finish("error", f"{type(e).__name__}: {e}")
                     self.counters["num_errors"] += 1

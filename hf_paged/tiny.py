@@ -36,7 +36,8 @@ def tiny_config(arch: str, vocab_size: int = 256, hidden: int = 64, layers: int 
                                   sliding_window=None, **common)
     elif arch == "gpt2":
         config = tf.GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=heads,
-                               n_positions=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                               n_positions=max_len, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                               tie_word_embeddings=False)  # sharpen the head, not the input embeddings
     elif arch == "gpt_neox":
         config = tf.GPTNeoXConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
                                   num_attention_heads=heads, intermediate_size=hidden * 2,

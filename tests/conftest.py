@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_paged  # noqa: F401  (registers the take-over)
+from hf_paged.integrations.generate_run import GenerateRun
 from hf_paged.tiny import tiny_model
 
 MARGIN = 1e-3  # a divergence is forgiven only where HF's own top-2 logit margin was below this
@@ -21,6 +22,21 @@ def cached_model(arch: str, **overrides):
 @pytest.fixture
 def llama():
     return cached_model("llama")
+
+
+@pytest.fixture
+def engine_runs(monkeypatch):
+    """Records every GenerateRun that actually ran on the engine."""
+    runs = []
+    original = GenerateRun.run
+
+    def spy(self, engine):
+        runs.append(self)
+        self.engine = engine  # for tests that check how the engine scheduled the call
+        return original(self, engine)
+
+    monkeypatch.setattr(GenerateRun, "run", spy)
+    return runs
 
 
 def left_padded_batch(lengths: list[int], vocab: int = 256, seed: int = 0, pad: int = 0):

@@ -1,6 +1,5 @@
 """Greedy `generate(cache_implementation="paged")` equals HF `generate` token for token."""
 import pytest
-import torch
 
 from hf_paged.tiny import ARCHITECTURES
 

@@ -18,17 +18,20 @@ from .generate_run import GenerateRun
 from .model_spec import describe_model
 
 PAGED = "paged"
-# model kwargs the engine understands; anything else (images, inputs_embeds, ...) goes to HF's own loop
-_ENGINE_MODEL_KWARGS = {"input_ids", "attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_config"}
+# model kwargs the engine understands; anything else (images, inputs_embeds, the caller's own position_ids, ...)
+# goes to HF's own loop
+_ENGINE_MODEL_KWARGS = {"input_ids", "attention_mask", "use_cache", "logits_to_keep", "cache_config"}
 
 
 def _wants_paged(model, arguments: dict, extra: dict) -> bool:
+    """As HF resolves it: a kwarg, else a passed GenerationConfig's value, else (unset) the model's default."""
     if "cache_implementation" in extra:
         return extra["cache_implementation"] == PAGED
-    config = arguments.get("generation_config")
-    if config is not None:
-        return getattr(config, "cache_implementation", None) == PAGED
-    return getattr(model.generation_config, "cache_implementation", None) == PAGED
+    for config in (arguments.get("generation_config"), model.generation_config):
+        value = getattr(config, "cache_implementation", None)
+        if value is not None:
+            return value == PAGED
+    return False
 
 
 def _set_option(arguments: dict, extra: dict, name: str, value) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
 
 from ..attention import AttentionMetadata, paged_attention, store_kv
 from ..kv import KVCache

@@ -143,7 +143,7 @@ class Sampler:
                 logits[row, tokens] = float("-inf")
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         if bool(greedy.all()):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = logits.max(dim=-1).indices  # first maximum, like argmax, and faster on CPU
         else:
             temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                                        device=logits.device, dtype=logits.dtype)

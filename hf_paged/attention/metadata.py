@@ -89,10 +89,22 @@ class AttentionMetadata:
         fresh = [i for i in range(num_seqs) if 1 < query_lens[i] == context_lens[i]]
         longer = [i for i in range(num_seqs) if 1 < query_lens[i] < context_lens[i]]
         meta.fresh = [(cu[i], cu[i + 1]) for i in fresh]
-        for members in (decode, longer):
+        for members in (*_split_by_length(decode, context_lens), longer):
             if members:
                 meta.groups.append(_plan(members, cu, query_lens, context_lens, block_tables, block_size, device))
         return meta
+
+
+def _split_by_length(members: list[int], context_lens: list[int], min_saving: float = 0.15) -> list[list[int]]:
+    """Decodes padded to one length waste reads on the short ones: split them (sorted by context length)
+    into a short and a long half when that saves at least `min_saving` of the padded K/V reads."""
+    if len(members) < 16:
+        return [members]
+    ordered = sorted(members, key=context_lens.__getitem__)
+    half = len(ordered) // 2
+    whole = len(ordered) * context_lens[ordered[-1]]
+    split = half * context_lens[ordered[half - 1]] + (len(ordered) - half) * context_lens[ordered[-1]]
+    return [ordered[:half], ordered[half:]] if split <= (1 - min_saving) * whole else [members]
 
 
 def _plan(members, cu, query_lens, context_lens, block_tables, block_size, device) -> SequenceGroupPlan:

@@ -95,16 +95,19 @@ class AttentionMetadata:
         return meta
 
 
-def _split_by_length(members: list[int], context_lens: list[int], min_saving: float = 0.15) -> list[list[int]]:
-    """Decodes padded to one length waste reads on the short ones: split them (sorted by context length)
-    into a short and a long half when that saves at least `min_saving` of the padded K/V reads."""
-    if len(members) < 16:
+def _split_by_length(members: list[int], context_lens: list[int], min_group: int = 8,
+                     min_saving: float = 0.15) -> list[list[int]]:
+    """Decodes padded to one length waste reads on the short ones. Sorted by context length, a group is
+    halved (recursively) while that saves at least `min_saving` of its padded K/V reads."""
+    if len(members) < 2 * min_group:
         return [members]
     ordered = sorted(members, key=context_lens.__getitem__)
     half = len(ordered) // 2
     whole = len(ordered) * context_lens[ordered[-1]]
     split = half * context_lens[ordered[half - 1]] + (len(ordered) - half) * context_lens[ordered[-1]]
-    return [ordered[:half], ordered[half:]] if split <= (1 - min_saving) * whole else [members]
+    if split > (1 - min_saving) * whole:
+        return [members]
+    return [*_split_by_length(ordered[:half], context_lens), *_split_by_length(ordered[half:], context_lens)]
 
 
 def _plan(members, cu, query_lens, context_lens, block_tables, block_size, device) -> SequenceGroupPlan:

@@ -28,7 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"
     seed: int | None = None
 
     @classmethod

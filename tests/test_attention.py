@@ -1,10 +1,11 @@
 """The torch paged-attention backend against a float64 reference on random data."""
 import random
+import shutil
 
 import pytest
 import torch
 
-from hf_paged.attention import paged_attention, store_kv
+from hf_paged.attention import cpu_kernel_status, paged_attention, store_kv
 
 
 def reference(query, keys, values, query_lens, scale, window, softcap):
@@ -71,20 +72,26 @@ def make_case(seqs, heads, kv_heads, head_dim, block_size, dtype, seed):
 MIXED = [(1, 37), (9, 9), (1, 1), (5, 21), (16, 48), (1, 64), (30, 30)]
 
 
+BACKENDS = ["torch", "auto"]  # "auto" adds the native CPU decode kernel
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2), (8, 1), (16, 2)])  # MHA, GQA 4, MQA, GQA 8
 @pytest.mark.parametrize("block_size", [8, 16, 128])
-def test_mixed_batch_matches_float64(heads, kv_heads, block_size):
+def test_mixed_batch_matches_float64(heads, kv_heads, block_size, backend):
     case = make_case(MIXED, heads, kv_heads, 32, block_size, torch.float32, seed=heads * block_size + kv_heads)
     query, kc, vc, cu, ctx, tables, keys, values = case
-    out = paged_attention(query, kc, vc, cu, ctx, tables, scale=0.2)
+    out = paged_attention(query, kc, vc, cu, ctx, tables, scale=0.2, backend=backend)
     ref = reference(query, keys, values, [q for q, _ in MIXED], 0.2, None, None)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("window, softcap", [(7, None), (None, 5.0), (12, 3.0)])
-def test_sliding_window_and_softcap(window, softcap):
+def test_sliding_window_and_softcap(window, softcap, backend):
     query, kc, vc, cu, ctx, tables, keys, values = make_case(MIXED, 4, 2, 16, 8, torch.float32, seed=11)
-    out = paged_attention(query, kc, vc, cu, ctx, tables, scale=0.25, sliding_window=window, softcap=softcap)
+    out = paged_attention(query, kc, vc, cu, ctx, tables, scale=0.25, sliding_window=window, softcap=softcap,
+                          backend=backend)
     ref = reference(query, keys, values, [q for q, _ in MIXED], 0.25, window, softcap)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
@@ -102,3 +109,14 @@ def test_unknown_backend_is_a_clear_error():
     query, kc, vc, cu, ctx, tables, *_ = make_case([(1, 4)], 2, 1, 8, 8, torch.float32, seed=0)
     with pytest.raises(ValueError, match="not available"):
         paged_attention(query, kc, vc, cu, ctx, tables, backend="cuda")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_native_cpu_decode_kernel_builds_and_matches_reference():
+    """Many decodes only (the kernel's case), long uneven contexts, GQA 4, over a shuffled pool."""
+    assert cpu_kernel_status() == "loaded"
+    seqs = [(1, n) for n in (1, 15, 16, 17, 100, 257, 64, 3, 190, 33)]
+    query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, 8, 2, 64, 16, torch.float32, seed=5)
+    ref = reference(query, keys, values, [1] * len(seqs), 0.125, None, None)
+    native = paged_attention(query, kc, vc, cu, ctx, tables, scale=0.125, backend="auto")
+    torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=2e-5)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_kernel import cpu_kernel_status
 from .metadata import AttentionMetadata, SequenceGroupPlan
 from .torch_backend import store_kv, torch_paged_attention
 
@@ -18,6 +19,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """Causal attention of packed queries [T, H, D] over paged caches [num_blocks, block_size, H_kv, D].
 
     Either pass a prebuilt `metadata` (the engine does, once per step) or the raw varlen tensors.
+    backend "torch" is plain torch everywhere; "auto" also uses the native CPU decode kernel where it applies.
     Queries are aligned bottom-right: the last query row of sequence b sits at position context_lens[b] - 1.
     `key` / `value` (the new tokens' K/V, [T, H_kv, D], already stored) let backends skip re-reading pages.
     """
@@ -36,7 +38,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         slots = [table[p // block_size] * block_size + p % block_size
                  for table, q, c in zip(tables, query_lens, contexts) for p in range(c - q, c)]
         metadata = AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, query.device)
-    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value)
+    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
+                                 native_decode=backend == "auto")
 
 
-__all__ = ["AttentionMetadata", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS"]
+__all__ = ["AttentionMetadata", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS", "cpu_kernel_status"]

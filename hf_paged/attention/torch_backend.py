@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .cpu_kernel import load_cpu_kernel, usable
 from .metadata import AttentionMetadata, SequenceGroupPlan
 
 
@@ -27,7 +28,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: SequenceGroupPlan,
-                  scale: float, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, softcap: float | None, native) -> torch.Tensor:
+    if native is not None and plan.max_query_len == 1:
+        return native(query[plan.rows], key_cache, value_cache, plan.block_tables, plan.context_lens.view(-1),
+                      scale, sliding_window, softcap)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     groups, max_q = plan.query_index.shape
@@ -87,12 +91,15 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
                           softcap: float | None = None, key: torch.Tensor | None = None,
-                          value: torch.Tensor | None = None) -> torch.Tensor:
+                          value: torch.Tensor | None = None, native_decode: bool = False) -> torch.Tensor:
     """query [T, H, D] -> output [T, H, D]; the new tokens' K/V must already be stored.
-    With the new tokens' `key` / `value` ([T, H_kv, D]) fresh prompts skip the page gather."""
+    With the new tokens' `key` / `value` ([T, H_kv, D]) fresh prompts skip the page gather.
+    `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built."""
+    native = load_cpu_kernel() if native_decode and usable(query, key_cache) else None
     out = torch.empty_like(query)
     for plan in metadata.groups:
-        out.index_copy_(0, plan.rows, _attend_group(query, key_cache, value_cache, plan, scale, sliding_window, softcap))
+        out.index_copy_(0, plan.rows, _attend_group(query, key_cache, value_cache, plan, scale, sliding_window, softcap,
+                                                    native))
     for start, end in metadata.fresh:
         if key is None:
             key, value = _gather_rows(key_cache, metadata), _gather_rows(value_cache, metadata)

@@ -1,0 +1,95 @@
+"""A native CPU decode kernel (`cpu/paged_decode.c`), built on first use with the system C compiler.
+
+Decodes read K/V straight from the pages (no gather copy) and each K/V row once per GQA group. The work is
+split over OpenMP threads of the same libgomp torch uses (one pool, no oversubscription). Without a
+compiler the kernel is simply absent (`load_cpu_kernel()` returns None and `cpu_kernel_status()` says why)
+and the pure-torch path is used.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]  # vector expf
+_status: dict[str, str] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HF_PAGED_CACHE_DIR") or Path.home() / ".cache" / "hf_paged")
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc / gcc) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"paged_decode_{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(built, target)  # atomic: concurrent builders never see a partial file
+    return target
+
+
+class CpuDecodeKernel:
+    def __init__(self, path: Path):
+        fn = ctypes.CDLL(str(path)).paged_decode_f32
+        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, i64, i64]
+        fn.restype = None
+        self.fn = fn
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                 softcap: float | None) -> torch.Tensor:
+        """query [G, H, D] fp32 (one token per sequence) -> [G, H, D]; tables int64 [G, B], context_lens int64 [G]."""
+        groups, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[2]
+        max_blocks = block_tables.shape[1]
+        max_context = max_blocks * key_cache.shape[1]
+        out = torch.empty_like(query)
+        scores = torch.empty(groups * num_heads * max_context, dtype=torch.float32)
+        args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+                context_lens.data_ptr(), out.data_ptr(), scores.data_ptr(), num_heads, num_kv_heads, head_dim,
+                key_cache.shape[1], max_blocks, max_context, scale, sliding_window or 0, softcap or 0.0)
+        self.fn(*args, 0, groups * num_kv_heads)
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_kernel() -> CpuDecodeKernel | None:
+    if os.environ.get("HF_PAGED_CPU_KERNEL", "1") == "0":
+        _status["reason"] = "disabled by HF_PAGED_CPU_KERNEL=0"
+        return None
+    try:
+        kernel = CpuDecodeKernel(_build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        _status["reason"] = f"{type(e).__name__}: {e} {detail.decode(errors='replace')[:500]}".strip()
+        return None
+    _status["reason"] = "loaded"
+    return kernel
+
+
+def cpu_kernel_status() -> str:
+    """Why the native CPU decode kernel is or is not in use."""
+    load_cpu_kernel()
+    return _status.get("reason", "not tried")
+
+
+def usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
+            and key_cache.is_contiguous())

@@ -173,10 +173,10 @@ class Engine:
             else:
                 hooked.setdefault(id(request.controller), []).append(i)
         if native:
-            rows = torch.tensor(native, device=logits.device)
+            rows = logits if len(native) == len(requests) else logits[torch.tensor(native, device=logits.device)]
             group = [requests[i] for i in native]
             banned = [self._banned(r) for r in group]
-            out = self.sampler(logits[rows], [r.params for r in group], [r.all_token_ids for r in group],
+            out = self.sampler(rows, [r.params for r in group], [r.all_token_ids for r in group],
                                [r.output_token_ids for r in group], [r.generator for r in group], banned)
             for j, i in enumerate(native):
                 result[i] = (out.token_ids[j], False)

@@ -71,17 +71,17 @@ def _penalize(logits: torch.Tensor, history: list[list[int]], outputs: list[list
     """Repetition penalty (HF semantics, prompt + output) and presence / frequency penalties (output only)."""
     num_rows, vocab = logits.shape
     device = logits.device
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)
-    if (rep != 1.0).any():
+    if any(p.repetition_penalty != 1.0 for p in params):
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device, dtype=logits.dtype)
         seen = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
         for row, tokens in enumerate(history):
             if tokens:
                 seen[row, torch.tensor(tokens, device=device)] = True
         penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
         logits = torch.where(seen, penalized, logits)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)
-    if (presence != 0).any() or (frequency != 0).any():
+    if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
+        presence = torch.tensor([p.presence_penalty for p in params], device=device, dtype=logits.dtype)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device, dtype=logits.dtype)
         counts = torch.zeros(num_rows, vocab, dtype=logits.dtype, device=device)
         for row, tokens in enumerate(outputs):
             if tokens:
@@ -138,13 +138,15 @@ class Sampler:
                  banned: list[list[int]]) -> SampleResult:
         raw = logits
         logits = _penalize(logits, history, outputs, params)
-        for row, tokens in enumerate(banned):
-            if tokens:
-                logits[row, tokens] = float("-inf")
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        if bool(greedy.all()):
+        if any(banned):
+            logits = logits.clone() if logits is raw else logits
+            for row, tokens in enumerate(banned):
+                if tokens:
+                    logits[row, tokens] = float("-inf")
+        if all(p.greedy for p in params):
             token_ids = logits.max(dim=-1).indices  # first maximum, like argmax, and faster on CPU
         else:
+            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                                        device=logits.device, dtype=logits.dtype)
             scaled = _truncate(logits / temperature[:, None], params)

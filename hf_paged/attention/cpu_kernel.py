@@ -65,7 +65,7 @@ class CpuDecodeKernel:
         args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                 context_lens.data_ptr(), out.data_ptr(), scores.data_ptr(), num_heads, num_kv_heads, head_dim,
                 key_cache.shape[1], max_blocks, max_context, scale, sliding_window or 0, softcap or 0.0)
-        self.fn(*args, 0, groups * num_kv_heads)
+        self.fn(*args, 0, groups)
         return out
 
 
@@ -92,4 +92,4 @@ def cpu_kernel_status() -> str:
 
 def usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
-            and key_cache.is_contiguous())
+            and key_cache.is_contiguous() and query.shape[-1] <= 256)

@@ -3,11 +3,11 @@
  * q, out:        [num_seqs, num_heads, head_dim]                contiguous
  * key/value:     [num_blocks, block_size, num_kv_heads, head_dim] contiguous (NHD pages)
  * block_tables:  [num_seqs, max_blocks] int64;  context_lens: [num_seqs] int64 (new token included)
- * scores:        scratch, [num_seqs * num_kv_heads, heads_per_kv * max_context]
+ * scores:        scratch, [num_seqs, num_heads, max_context]
  *
- * Work item = (sequence, kv head), items [first, last) of num_seqs * num_kv_heads, spread over OpenMP threads
- * (built with -fopenmp, the library binds to the libgomp torch already loaded, so both share one thread pool).
- * Each K and V row is read once for all query heads of its GQA group. The query sits at position context_len - 1 (bottom-right);
+ * Work item = one sequence (sequences [first, last)), spread over OpenMP threads (built with -fopenmp, the
+ * library binds to the libgomp torch already loaded, so both share one thread pool). Each token's K and V rows
+ * (all kv heads, contiguous) are read once and serve every query head of every GQA group. The query sits at position context_len - 1 (bottom-right);
  * a sliding window keeps keys k > pos - window. Softcap applies tanh(s / cap) * cap to scaled scores.
  */
 #include <math.h>
@@ -39,47 +39,46 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
                       int64_t max_blocks, int64_t max_context, float scale, int64_t window, float softcap,
                       int64_t first, int64_t last) {
     const int64_t per_kv = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim; /* stride between tokens inside a page */
-#pragma omp parallel for schedule(static)
-    for (int64_t item = first; item < last; ++item) {
-        const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
+    const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) for all kv heads: contiguous */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t seq = first; seq < last; ++seq) {
         const int64_t ctx = context_lens[seq];
         const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
         const int64_t *table = block_tables + seq * max_blocks;
-        const float *qh = q + (seq * num_heads + kv * per_kv) * head_dim;
-        float *s = scores + item * per_kv * max_context;
+        const float *qs = q + seq * num_heads * head_dim;
+        float *s = scores + seq * num_heads * max_context; /* [num_heads, max_context] */
+        float *os = out + seq * num_heads * head_dim;
         for (int64_t t = start; t < ctx; ++t) {
-            const float *k = key_cache + (table[t / block_size] * block_size + t % block_size) * row + kv * head_dim;
-            for (int64_t p = 0; p < per_kv; ++p) {
-                const float *qp = qh + p * head_dim;
+            const float *k = key_cache + (table[t / block_size] * block_size + t % block_size) * row;
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float *qh = qs + h * head_dim, *kh = k + (h / per_kv) * head_dim;
                 float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < head_dim; ++d) acc += qp[d] * k[d];
+                for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * kh[d];
                 acc *= scale;
                 if (softcap > 0.f) acc = tanhf(acc / softcap) * softcap;
-                s[p * max_context + t] = acc;
+                s[h * max_context + t] = acc;
             }
         }
-        for (int64_t p = 0; p < per_kv; ++p) {
-            float *sp = s + p * max_context;
+        for (int64_t h = 0; h < num_heads; ++h) {
+            float *sh = s + h * max_context;
             float top = -INFINITY, total = 0.f;
 #pragma omp simd reduction(max : top)
-            for (int64_t t = start; t < ctx; ++t) top = sp[t] > top ? sp[t] : top;
+            for (int64_t t = start; t < ctx; ++t) top = sh[t] > top ? sh[t] : top;
 #pragma omp simd reduction(+ : total)
-            for (int64_t t = start; t < ctx; ++t) { sp[t] = exp_nonpositive(sp[t] - top); total += sp[t]; }
+            for (int64_t t = start; t < ctx; ++t) { sh[t] = exp_nonpositive(sh[t] - top); total += sh[t]; }
             const float inv = 1.f / total;
 #pragma omp simd
-            for (int64_t t = start; t < ctx; ++t) sp[t] *= inv;
-            float *o = out + (seq * num_heads + kv * per_kv + p) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.f;
+            for (int64_t t = start; t < ctx; ++t) sh[t] *= inv;
         }
+        for (int64_t i = 0; i < num_heads * head_dim; ++i) os[i] = 0.f;
         for (int64_t t = start; t < ctx; ++t) {
-            const float *v = value_cache + (table[t / block_size] * block_size + t % block_size) * row + kv * head_dim;
-            for (int64_t p = 0; p < per_kv; ++p) {
-                const float w = s[p * max_context + t];
-                float *o = out + (seq * num_heads + kv * per_kv + p) * head_dim;
+            const float *v = value_cache + (table[t / block_size] * block_size + t % block_size) * row;
+            for (int64_t h = 0; h < num_heads; ++h) {
+                const float w = s[h * max_context + t], *vh = v + (h / per_kv) * head_dim;
+                float *o = os + h * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
+                for (int64_t d = 0; d < head_dim; ++d) o[d] += w * vh[d];
             }
         }
     }

@@ -50,14 +50,17 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
         float *os = out + seq * num_heads * head_dim;
         for (int64_t t = start; t < ctx; ++t) {
             const float *k = key_cache + (table[t / block_size] * block_size + t % block_size) * row;
-            for (int64_t h = 0; h < num_heads; ++h) {
-                const float *qh = qs + h * head_dim, *kh = k + (h / per_kv) * head_dim;
-                float acc = 0.f;
+            for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+                const float *kh = k + kv * head_dim;
+                for (int64_t h = kv * per_kv; h < (kv + 1) * per_kv; ++h) {
+                    const float *qh = qs + h * head_dim;
+                    float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * kh[d];
-                acc *= scale;
-                if (softcap > 0.f) acc = tanhf(acc / softcap) * softcap;
-                s[h * max_context + t] = acc;
+                    for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * kh[d];
+                    acc *= scale;
+                    if (softcap > 0.f) acc = tanhf(acc / softcap) * softcap;
+                    s[h * max_context + t] = acc;
+                }
             }
         }
         for (int64_t h = 0; h < num_heads; ++h) {
@@ -74,11 +77,14 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
         for (int64_t i = 0; i < num_heads * head_dim; ++i) os[i] = 0.f;
         for (int64_t t = start; t < ctx; ++t) {
             const float *v = value_cache + (table[t / block_size] * block_size + t % block_size) * row;
-            for (int64_t h = 0; h < num_heads; ++h) {
-                const float w = s[h * max_context + t], *vh = v + (h / per_kv) * head_dim;
-                float *o = os + h * head_dim;
+            for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+                const float *vh = v + kv * head_dim;
+                for (int64_t h = kv * per_kv; h < (kv + 1) * per_kv; ++h) {
+                    const float w = s[h * max_context + t];
+                    float *o = os + h * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) o[d] += w * vh[d];
+                    for (int64_t d = 0; d < head_dim; ++d) o[d] += w * vh[d];
+                }
             }
         }
     }

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]  # vector expf
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 _status: dict[str, str] = {}
 
 

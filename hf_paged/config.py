@@ -28,6 +28,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: at most this many tokens of one prefill per step
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
     attention_backend: str = "auto"
     seed: int | None = None
 
@@ -64,6 +67,10 @@ class EngineConfig:
         positive("max_num_seqs")
         positive("max_num_batched_tokens")
         positive("max_model_len", allow_none=True)
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
+        if self.preemption_mode not in ("recompute",):
+            raise ValueError(f"preemption_mode must be 'recompute', got {self.preemption_mode!r}")
         if self.attention_backend not in ("torch", "auto"):
             raise ValueError(f"attention_backend {self.attention_backend!r} is not available; use 'torch' or 'auto'")
 

@@ -44,7 +44,7 @@ class Engine:
         budget = self.config.kv_cache_memory or default_kv_cache_bytes(self.spec.kv.device)
         num_blocks = choose_num_blocks(self.spec.kv, self.config.block_size, self.config.num_blocks, budget)
         self.kv_cache = KVCache(self.spec.kv, num_blocks, self.config.block_size)
-        self.kv = KVCacheManager(num_blocks, self.config.block_size)
+        self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = ModelRunner(model, self.spec, self.kv_cache, self.config.attention_backend)
         self.sampler = Sampler(self.spec.kv.device, self.config.seed)
@@ -107,6 +107,8 @@ class Engine:
             rid = request_id if params.n == 1 else f"{request_id}#{sample}"
             request = Request(rid, index, token_ids, params, self.eos_token_ids, next(self._arrivals), priority,
                               prompt if isinstance(prompt, str) else prompt_text, sample, controller)
+            if sample > 0 and self.config.enable_prefix_caching:
+                request.wait_for = created[0]  # share the prompt's blocks instead of computing it n times
             if params.seed is not None:
                 request.generator = torch.Generator(self.spec.kv.device).manual_seed(params.seed + sample)
             if params.logprobs is not None:
@@ -143,6 +145,7 @@ class Engine:
         logits = self.runner.execute(inputs)
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
+            self.kv.cache_full_blocks(request)
         self.counters["num_steps"] += 1
         self.counters["num_batched_tokens"] += batch.num_tokens
         sampled = [batch.requests[i] for i in inputs.sampled]
@@ -243,7 +246,8 @@ class Engine:
         base_id = first.request_id.split("#")[0]
         return RequestOutput(base_id, first.prompt, list(first.prompt_token_ids),
                              [self.completion(r) for r in sorted(requests, key=lambda r: r.sample_index)],
-                             num_cached_tokens=0, finished=all(r.is_finished for r in requests))
+                             num_cached_tokens=max(0, first.num_cached_tokens),
+                             finished=all(r.is_finished for r in requests))
 
     def release(self, request: Request) -> None:
         """Forget a finished request (its memory is already free)."""
@@ -259,6 +263,9 @@ class Engine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "prefix_cache_hit_tokens": self.kv.hit_tokens,
+            "prefix_cache_query_tokens": self.kv.query_tokens,
+            "num_cached_blocks": len(self.kv.pool.cached),
             **self.counters,
         }
 

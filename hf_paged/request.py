@@ -48,6 +48,10 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission (-1: not yet)
+    block_hashes: list[bytes] = field(default_factory=list)  # chain keys of full blocks of all_token_ids
+    num_published_blocks: int = 0  # leading table blocks already in the prefix map
+    wait_for: "Request | None" = None  # a sibling sample whose prompt must be computed first (prefix sharing)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

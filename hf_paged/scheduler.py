@@ -29,9 +29,9 @@ class ScheduledBatch:
 class Scheduler:
     """Decides which tokens run in the next forward pass.
 
-    Each step: running requests first (decodes and unfinished prefill chunks, oldest first), then waiting
-    requests in arrival order while the token budget, `max_num_seqs` and free blocks allow. A waiting
-    request is admitted only when blocks for its whole prompt are free. When a running request cannot get
+    Each step: running decodes first, then unfinished prefill chunks, then waiting requests in arrival order
+    while the token budget, `max_num_seqs` and free blocks allow. A waiting request starts from its longest
+    cached prefix and is admitted only when blocks for all of its tokens are free (no admit/preempt thrash). When a running request cannot get
     a block, the newest running request (lowest priority first) is preempted: its blocks are freed and it
     goes back to the head of the queue to be recomputed later. Nothing is ever dropped.
     """
@@ -52,8 +52,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens to run for `request` this step: all that remain, or with chunking at most the budget and
+        (for prefills) at most `long_prefill_token_threshold`."""
         remaining = request.num_tokens - request.num_computed_tokens
-        return min(remaining, budget) if self.config.enable_chunked_prefill else remaining
+        if not self.config.enable_chunked_prefill:
+            return remaining
+        cap = self.config.long_prefill_token_threshold
+        if cap and remaining > 1:
+            remaining = min(remaining, cap)
+        return min(remaining, budget)
 
     def _victim(self) -> Request:
         """Lowest priority value loses last: preempt the highest `priority` number, then the latest arrival."""
@@ -73,7 +80,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        for request in list(self.running):
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request in decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]:
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -89,22 +97,37 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 batch.add(request, num_new)
                 budget -= num_new
-        if batch.preempted:
-            return batch  # memory is tight: let the running requests make progress first
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        if not batch.preempted:  # memory is tight: let the running requests make progress first
+            self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Waiting requests in order. One whose sibling sample has not computed the shared prompt yet is
+        skipped (it will find the prompt in the prefix cache); the first that does not fit stops admission."""
+        position = 0
+        while position < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[position]
+            if _blocked_by_sibling(request):
+                position += 1
+                continue
+            hits = self.kv.computed_blocks(request) if not request.block_table else []
+            if not self.kv.can_admit(request, hits):
+                break
+            saved = request.num_computed_tokens
+            self.kv.admit(request, hits)
             num_new = self._chunk(request, budget)
-            if num_new > budget:
+            if num_new > budget or not self.kv.allocate_slots(request, num_new):
+                self.kv.free(request)  # gives the hits back; nothing else changed
+                request.num_computed_tokens = saved
                 break
-            if blocks_needed(request.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
-                break
-            self.waiting.popleft()
-            self.kv.allocate_slots(request, num_new)
+            del self.waiting[position]
+            self.kv.count_lookup(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.add(request, num_new)
             budget -= num_new
-        return batch
 
     def finish(self, request: Request) -> None:
         """Release a finished (or aborted) request's memory, wherever it is."""
@@ -113,3 +136,13 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+
+
+def _blocked_by_sibling(request: Request) -> bool:
+    sibling = request.wait_for
+    if sibling is None:
+        return False
+    if sibling.is_finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens:
+        request.wait_for = None
+        return False
+    return True

@@ -1,4 +1,4 @@
-"""Physical blocks, their reference counts and the free queue. Knows nothing about models."""
+"""Physical blocks, their reference counts, the free queue and the prefix map. Knows nothing about models."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,17 +6,28 @@ from dataclasses import dataclass
 
 @dataclass(slots=True, eq=False)
 class Block:
-    """One fixed-size page of KV memory. `ref_count == 0` exactly when the block is in the free queue."""
+    """One fixed-size page of KV memory.
+
+    `ref_count == 0` exactly when the block is in the free queue. A block with a `block_hash` holds the
+    K/V of `token_ids` computed right after `parent` (None: the first block) as it was in incarnation
+    `parent_generation`; it stays findable in the prefix map until it is reused. Every allocation bumps
+    `generation`, so a child never follows a later incarnation of its parent.
+    """
 
     block_id: int
     ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
+    parent: "Block | None" = None
+    parent_generation: int = 0
+    generation: int = 0
     prev: "Block | None" = None
     next: "Block | None" = None
 
 
 class FreeBlockQueue:
     """Doubly linked list of free blocks: O(1) pop from the front, push to either end, and removal
-    from the middle (needed later to revive a cached block). Never uses list.remove."""
+    from the middle (to revive a cached block on a prefix hit). Never uses list.remove."""
 
     def __init__(self, blocks: list[Block]):
         self._head = Block(-1)
@@ -52,8 +63,12 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """`num_blocks` blocks; allocation hands out the lowest recently-freed blocks first so that a
-    lightly loaded pool touches (and keeps resident) as little memory as possible."""
+    """`num_blocks` blocks with reference counts and lazy eviction.
+
+    Freed blocks without a hash go to the front of the free queue (reused first, lowest first, so a lightly
+    loaded pool keeps few pages resident); freed hashed blocks go to the back, in least-recently-used order,
+    and keep their contents until the queue reaches them. Allocation evicts a hashed block only then.
+    """
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
@@ -61,6 +76,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -73,20 +89,58 @@ class BlockPool:
         taken = []
         for _ in range(count):
             block = self.free_queue.pop_front()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.generation += 1  # new contents: children cached after the old contents no longer follow it
             block.ref_count = 1
             taken.append(block.block_id)
         return taken
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference from each block; blocks reaching zero go back to the front of the queue.
-        Freed in reverse so the first block of a table is handed out first next time."""
+        """Drop one reference from each block. Freed in reverse so a chain's deepest blocks are evicted
+        first and a table's first block is handed out first."""
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"KV block {block_id} freed twice")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_queue.push_front(block)
+                if block.block_hash is None:
+                    self.free_queue.push_front(block)
+                else:
+                    self.free_queue.push_back(block)
+
+    def touch(self, blocks: list[Block]) -> None:
+        """Take a reference on prefix-hit blocks, reviving those that sat in the free queue."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def lookup(self, block_hash: bytes, token_ids: list[int], parent: Block | None) -> Block | None:
+        """The block holding exactly these tokens right after `parent` (the previous hit), if any. The hash
+        is only a hint: a hit must match token for token and follow this very parent incarnation, so even a
+        colliding hash can never serve K/V computed after a different prefix."""
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids) or block.parent is not parent:
+            return None
+        if parent is not None and block.parent_generation != parent.generation:
+            return None
+        return block
+
+    def cache(self, block_id: int, block_hash: bytes, token_ids: list[int], parent: Block | None) -> None:
+        """Make a full, computed block findable. A key already served by another block keeps that block."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        block.parent, block.parent_generation = parent, parent.generation if parent is not None else 0
+        self.cached[block_hash] = block
+
+    def _evict(self, block: Block) -> None:
+        if self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = block.token_ids = block.parent = None
 
     def check_all_free(self) -> None:
         """Raise unless every block is free with a zero reference count (used by tests and stats)."""

@@ -1,8 +1,9 @@
-"""Per-request block tables on top of the block pool."""
+"""Per-request block tables on top of the block pool, with prefix reuse."""
 from __future__ import annotations
 
 from ..request import Request
-from .block_pool import BlockPool
+from .block_pool import Block, BlockPool
+from .hashing import hash_block
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -12,19 +13,80 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class KVCacheManager:
     """Grows and releases each request's `block_table` (logical block i -> physical block id).
 
-    Invariant: a request's table covers `num_computed_tokens + scheduled new tokens` slots after a
-    successful `allocate_slots`, and is empty after `free`.
+    Invariants: a request's table covers `num_computed_tokens + scheduled new tokens` slots after a
+    successful `allocate_slots`, and is empty after `free`. Only full blocks whose tokens are all computed
+    are ever hashed, so a shared block is never written again.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hit_tokens = 0
+        self.query_tokens = 0
         self._fresh: list[int] = []  # handed out since the last take_fresh_blocks()
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    # ---- prefix reuse ----------------------------------------------------------------------------
+    def _hashes(self, request: Request, count: int) -> list[bytes]:
+        """The chain keys of the request's first `count` full blocks (computed once, extended lazily)."""
+        bs, keys, tokens = self.block_size, request.block_hashes, request.all_token_ids
+        while len(keys) < count:
+            i = len(keys)
+            keys.append(hash_block(keys[-1] if keys else None, tokens[i * bs:(i + 1) * bs], request.params.cache_salt))
+        return keys
+
+    def computed_blocks(self, request: Request) -> list[Block]:
+        """Cached blocks matching the request's leading full blocks. The last token is always left to compute
+        so that there are logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, tokens = self.block_size, request.all_token_ids
+        hits: list[Block] = []
+        for i, key in enumerate(self._hashes(request, (request.num_tokens - 1) // bs)):
+            block = self.pool.lookup(key, tokens[i * bs:(i + 1) * bs], hits[-1] if hits else None)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_admit(self, request: Request, hits: list[Block]) -> bool:
+        """Whether blocks for the whole of `request` fit, counting hits that would leave the free queue."""
+        revived = sum(1 for block in hits if block.ref_count == 0)
+        need = blocks_needed(request.num_tokens, self.block_size) - len(hits)
+        return need <= self.pool.num_free_blocks - revived
+
+    def admit(self, request: Request, hits: list[Block]) -> None:
+        """Start the request's table with its prefix hits (their tokens count as computed)."""
+        self.pool.touch(hits)
+        request.block_table = [block.block_id for block in hits]
+        request.num_computed_tokens = len(hits) * self.block_size
+
+    def count_lookup(self, request: Request) -> None:
+        """Hit / query counters, once per admission that went through."""
+        if self.enable_prefix_caching:
+            self.query_tokens += request.num_tokens
+            self.hit_tokens += request.num_computed_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's newly completed blocks to the prefix map."""
+        if not self.enable_prefix_caching:
+            return
+        full = request.num_computed_tokens // self.block_size
+        if full <= request.num_published_blocks:
+            return
+        bs, tokens = self.block_size, request.all_token_ids
+        keys = self._hashes(request, full)
+        table, blocks = request.block_table, self.pool.blocks
+        for i in range(request.num_published_blocks, full):
+            parent = blocks[table[i - 1]] if i > 0 else None
+            self.pool.cache(table[i], keys[i], tokens[i * bs:(i + 1) * bs], parent)
+        request.num_published_blocks = full
+
+    # ---- growth and release ------------------------------------------------------------------------
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         total = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, total - len(request.block_table))
@@ -49,6 +111,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.pool.free(request.block_table)
         request.block_table = []
+        request.num_published_blocks = 0
 
     def slot_mapping(self, request: Request, start: int, end: int) -> list[int]:
         """Flat slot (block_id * block_size + offset) of token positions [start, end)."""

@@ -1,0 +1,115 @@
+"""Prefix reuse, chunked prefill and recompute preemption never change outputs, and memory balances."""
+import pytest
+import torch
+
+import hf_paged.kv.hashing as hashing
+from hf_paged import LLM, SamplingParams
+
+from conftest import cached_model
+
+SYSTEM = list(range(10, 58))  # a 48-token shared "system prompt"
+
+
+def shared_prefix_prompts(count=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [SYSTEM + torch.randint(60, 250, (int(n),), generator=gen).tolist()
+            for n in torch.randint(1, 12, (count,), generator=gen)]
+
+
+def run(model, prompts, params, **options):
+    llm = LLM(model, **options)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    llm.engine.check_idle()  # every block free, every reference count zero
+    return [o.token_ids for o in outs], llm
+
+
+SETTINGS = {
+    "plain": dict(enable_prefix_caching=False, enable_chunked_prefill=False),
+    "prefix": dict(enable_prefix_caching=True),
+    "prefix+chunks": dict(enable_prefix_caching=True, max_num_batched_tokens=16, long_prefill_token_threshold=8),
+    "prefix+tiny pool": dict(enable_prefix_caching=True, block_size=4, num_blocks=30),
+    "tiny pool, no prefix": dict(enable_prefix_caching=False, block_size=4, num_blocks=30),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_outputs_identical_across_settings(arch, sampled):
+    model = cached_model(arch)
+    params = (SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=7, ignore_eos=True) if sampled
+              else SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    prompts = shared_prefix_prompts()
+    expected, _ = run(model, prompts, params, **SETTINGS["plain"])
+    for name, options in SETTINGS.items():
+        got, llm = run(model, prompts, params, **{"block_size": 8, **options})
+        assert got == expected, f"{arch} {'sampled' if sampled else 'greedy'}: outputs changed with {name}"
+        if "tiny" in name:
+            assert llm.stats()["num_preemptions"] > 0, f"{name}: pool too large to force preemption"
+
+
+def test_hits_are_counted_and_reported(llama):
+    llm = LLM(llama, block_size=8)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    first = llm.generate([SYSTEM + [70, 71]], params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    second = llm.generate([SYSTEM + [80, 81, 82]], params, use_tqdm=False)[0]
+    assert second.num_cached_tokens == 48  # six full blocks of the shared prompt
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] == 48
+    assert stats["prefix_cache_query_tokens"] == 50 + 51
+    # the last token is always recomputed, even for a prompt that is entirely cached
+    again = llm.generate([SYSTEM], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 40
+    alone, _ = run(llama, [SYSTEM + [80, 81, 82]], params, enable_prefix_caching=False)
+    assert second.token_ids == alone[0]
+
+
+def test_different_salts_never_share(llama):
+    llm = LLM(llama, block_size=8)
+    salted = SamplingParams(max_tokens=3, temperature=0.0, cache_salt="tenant-a")
+    other = SamplingParams(max_tokens=3, temperature=0.0, cache_salt="tenant-b")
+    llm.generate([SYSTEM + [90]], salted, use_tqdm=False)
+    assert llm.generate([SYSTEM + [91]], other, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate([SYSTEM + [92]], SamplingParams(max_tokens=3, temperature=0.0),
+                        use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate([SYSTEM + [93]], salted, use_tqdm=False)[0].num_cached_tokens == 48
+
+
+def test_colliding_hash_still_gives_correct_output(llama, monkeypatch):
+    """Every block key equal: hits must still be proven by tokens and by the exact parent block."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    repeated = [SYSTEM[:8] * 4 + [100 + i] for i in range(3)] + [SYSTEM[8:16] + SYSTEM[:8] * 3 + [120]]
+    expected, _ = run(llama, repeated, params, enable_prefix_caching=False, block_size=8)
+    monkeypatch.setattr(hashing, "hash_block", lambda parent, tokens, salt: b"same-key-always!")
+    monkeypatch.setattr("hf_paged.kv.manager.hash_block", lambda parent, tokens, salt: b"same-key-always!")
+    llm = LLM(llama, block_size=8)
+    got = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in repeated]
+    assert got == expected
+    llm.engine.check_idle()
+
+
+def test_n_samples_share_the_prompt(llama):
+    prompt = SYSTEM + [61, 62, 63]
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=3)
+    llm = LLM(llama, block_size=8)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] == 3 * 48, "samples 1..3 should reuse the 6 full prompt blocks"
+    separate = LLM(llama, block_size=8, enable_prefix_caching=False).generate([prompt], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in separate.outputs]
+    llm.engine.check_idle()
+
+
+def test_lru_keeps_cached_blocks_until_needed(llama):
+    llm = LLM(llama, block_size=8, num_blocks=20)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm.generate([SYSTEM + [70]], params, use_tqdm=False)
+    assert llm.stats()["num_cached_blocks"] == 6 and llm.stats()["num_blocks_free"] == 20
+    # unrelated traffic first takes never-cached blocks; the cached prefix survives
+    llm.generate([[200 + i for i in range(30)]], params, use_tqdm=False)
+    assert llm.generate([SYSTEM + [71]], params, use_tqdm=False)[0].num_cached_tokens == 48
+    # a request needing the whole pool evicts them (least recently used first) instead of failing
+    llm.generate([list(range(3, 150))], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    assert llm.generate([SYSTEM + [72]], params, use_tqdm=False)[0].num_cached_tokens < 48
+    llm.engine.check_idle()

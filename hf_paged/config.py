@@ -30,7 +30,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # > 0: at most this many tokens of one prefill per step
     enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
+    preemption_mode: str = "auto"  # "recompute", "swap", or "auto" (cheaper of the two, per request)
+    swap_space: int | None = None  # bytes of host swap space; None: 4 GiB beside a GPU, none on CPU
     attention_backend: str = "auto"
     seed: int | None = None
 
@@ -69,8 +70,10 @@ class EngineConfig:
         positive("max_model_len", allow_none=True)
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
-        if self.preemption_mode not in ("recompute",):
-            raise ValueError(f"preemption_mode must be 'recompute', got {self.preemption_mode!r}")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
+        if self.swap_space is not None and (not isinstance(self.swap_space, int) or self.swap_space < 0):
+            raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
         if self.attention_backend not in ("torch", "auto"):
             raise ValueError(f"attention_backend {self.attention_backend!r} is not available; use 'torch' or 'auto'")
 
@@ -87,6 +90,11 @@ def available_host_memory() -> int:
     import os
 
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_swap_bytes(device: torch.device) -> int:
+    """Host swap space when none is configured: only worth having beside an accelerator."""
+    return 4 * GiB if device.type == "cuda" else 0
 
 
 def default_kv_cache_bytes(device: torch.device) -> int:

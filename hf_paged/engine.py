@@ -2,17 +2,19 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Sequence
 
 import torch
 
-from .config import EngineConfig, default_kv_cache_bytes, logger
+from .config import EngineConfig, default_kv_cache_bytes, default_swap_bytes, logger
 from .integrations.model_spec import describe_model
 from .kv import KVCache, KVCacheManager, blocks_needed, choose_num_blocks
+from .kv.swap import SwapPool, measure_copy_bandwidth
 from .model_runner import ModelRunner
 from .request import CompletionOutput, Request, RequestOutput, RequestStatus
 from .sampling import SamplingParams, Sampler
-from .scheduler import Scheduler
+from .scheduler import PreemptionCosts, Scheduler
 
 
 def _as_id_list(value) -> list[int]:
@@ -45,7 +47,9 @@ class Engine:
         num_blocks = choose_num_blocks(self.spec.kv, self.config.block_size, self.config.num_blocks, budget)
         self.kv_cache = KVCache(self.spec.kv, num_blocks, self.config.block_size)
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv)
+        self.swap = self._make_swap_pool()
+        costs = PreemptionCosts(copy_bytes_per_s=measure_copy_bandwidth(self.kv_cache)) if self.swap else None
+        self.scheduler = Scheduler(self.config, self.kv, self.swap, costs)
         self.runner = ModelRunner(model, self.spec, self.kv_cache, self.config.attention_backend)
         self.sampler = Sampler(self.spec.kv.device, self.config.seed)
         self.eos_token_ids = tuple(sorted(set(
@@ -56,6 +60,19 @@ class Engine:
         self._arrivals = itertools.count()
         self.counters = {"num_steps": 0, "num_prompt_tokens": 0, "num_generated_tokens": 0,
                          "num_batched_tokens": 0, "num_finished": 0, "num_errors": 0}
+
+    def _make_swap_pool(self) -> SwapPool | None:
+        if self.config.preemption_mode == "recompute":
+            return None
+        budget = self.config.swap_space
+        budget = default_swap_bytes(self.spec.kv.device) if budget is None else budget
+        num_blocks = budget // self.spec.kv.bytes_per_block(self.config.block_size)
+        if num_blocks < 1:
+            if self.config.preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' needs swap_space (bytes) for at least one block")
+            return None
+        logger.info("hf_paged swap space: %d blocks (%.1f MiB)", num_blocks, budget / 2**20)
+        return SwapPool(self.kv_cache, int(num_blocks))
 
     # ---- input ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int], index: int) -> list[int]:
@@ -140,9 +157,11 @@ class Engine:
             if self.scheduler.has_work:
                 raise RuntimeError("scheduler made no progress although requests are waiting")
             return []
-        self.runner.zero_blocks(self.kv.take_fresh_blocks())
+        started = time.perf_counter()
+        self._move_blocks(batch)
         inputs = self.runner.prepare(batch)
         logits = self.runner.execute(inputs)
+        self.scheduler.costs.observe_step(batch.num_tokens, time.perf_counter() - started)
         for request, n in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += n
             self.kv.cache_full_blocks(request)
@@ -161,6 +180,21 @@ class Engine:
                 self.scheduler.finish(request)
                 self.counters["num_finished"] += 1
         return sampled
+
+    def _move_blocks(self, batch) -> None:
+        """Before the forward pass: save swapped-out blocks, clear newly handed-out ones, restore swapped-in
+        ones (in that order: freed blocks may be handed out again in the same step)."""
+        for device_ids, host_ids in batch.swap_out:
+            self.swap.swap_out(self.kv_cache, device_ids, host_ids)
+        if batch.swap_out:
+            self.swap.synchronize()
+        self.runner.zero_blocks(self.kv.take_fresh_blocks())
+        for host_ids, device_ids in batch.swap_in:
+            self.swap.swap_in(self.kv_cache, host_ids, device_ids)
+        if batch.swap_in:
+            self.swap.synchronize()
+            for host_ids, _ in batch.swap_in:
+                self.swap.free(host_ids)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[int, bool] | None]:
         """One (token, stop_now) per request; None where the request ended with an error."""
@@ -263,6 +297,10 @@ class Engine:
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_recomputed_tokens": self.scheduler.num_recomputed_tokens,
+            "num_swap_outs": self.scheduler.num_swap_outs,
+            "num_swap_ins": self.scheduler.num_swap_ins,
+            "num_blocks_swapped": self.scheduler.num_blocks_swapped,
+            "swap_blocks_free": self.swap.num_free if self.swap else 0,
             "prefix_cache_hit_tokens": self.kv.hit_tokens,
             "prefix_cache_query_tokens": self.kv.query_tokens,
             "num_cached_blocks": len(self.kv.pool.cached),
@@ -274,6 +312,8 @@ class Engine:
         if self.scheduler.has_work:
             raise AssertionError("requests are still queued or running")
         self.kv.pool.check_all_free()
+        if self.swap is not None and self.swap.num_free != self.swap.num_blocks:
+            raise AssertionError(f"swap blocks still held: {self.swap.num_blocks - self.swap.num_free}")
 
 
 __all__ = ["Engine", "RequestStatus"]

@@ -1,4 +1,4 @@
-"""A request's life: WAITING -> RUNNING <-> PREEMPTED (recompute) -> FINISHED."""
+"""A request's life: WAITING -> RUNNING <-> PREEMPTED (recompute) or SWAPPED (host copy) -> FINISHED."""
 from __future__ import annotations
 
 import enum
@@ -13,7 +13,8 @@ from .sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # blocks freed; recomputed on resume
+    SWAPPED = "swapped"  # blocks copied to host swap space; copied back on resume
     FINISHED = "finished"
 
 
@@ -51,6 +52,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission (-1: not yet)
     block_hashes: list[bytes] = field(default_factory=list)  # chain keys of full blocks of all_token_ids
     num_published_blocks: int = 0  # leading table blocks already in the prefix map
+    swapped_blocks: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     wait_for: "Request | None" = None  # a sibling sample whose prompt must be computed first (prefix sharing)
 
     def __post_init__(self) -> None:

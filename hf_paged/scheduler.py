@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .kv import KVCacheManager, blocks_needed
+from .kv.swap import SwapPool
 from .request import Request, RequestStatus
 
 
@@ -16,6 +17,8 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (device ids, host ids)
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (host ids, device ids)
 
     @property
     def num_tokens(self) -> int:
@@ -36,13 +39,19 @@ class Scheduler:
     goes back to the head of the queue to be recomputed later. Nothing is ever dropped.
     """
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, swap: SwapPool | None = None,
+                 costs: "PreemptionCosts | None" = None):
         self.config = config
         self.kv = kv
+        self.swap = swap
+        self.costs = costs or PreemptionCosts()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+        self.num_blocks_swapped = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -66,16 +75,47 @@ class Scheduler:
         """Lowest priority value loses last: preempt the highest `priority` number, then the latest arrival."""
         return max(self.running, key=lambda r: (r.priority, r.arrival))
 
+    def _should_swap(self, request: Request) -> bool:
+        """Swap when asked to (or, in "auto", when moving the blocks out and back is estimated cheaper than
+        recomputing the tokens) and the swap space has room; otherwise recompute."""
+        mode, blocks = self.config.preemption_mode, len(request.block_table)
+        if mode == "recompute" or self.swap is None or self.swap.num_free < blocks:
+            return False
+        return mode == "swap" or self.costs.swap_is_cheaper(blocks * self.swap.bytes_per_block,
+                                                            request.num_computed_tokens)
+
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        """Free the request's device blocks: its K/V go to host swap space, or are recomputed later.
+        Swap copies run before this step's forward pass touches the freed blocks."""
         self.running.remove(request)
-        self.kv.free(request)
-        self.num_recomputed_tokens += request.num_computed_tokens
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+        if self._should_swap(request):
+            host = self.swap.allocate(len(request.block_table))
+            batch.swap_out.append((list(request.block_table), host))
+            request.swapped_blocks = host
+            request.status = RequestStatus.SWAPPED
+            self.num_swap_outs += 1
+            self.num_blocks_swapped += len(host)
+            self.kv.free(request)
+        else:
+            self.kv.free(request)
+            self.num_recomputed_tokens += request.num_computed_tokens
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         batch.preempted.append(request)
+
+    def _swap_in(self, request: Request, batch: ScheduledBatch) -> bool:
+        """Give a swapped request device blocks for everything it holds plus its growth, and queue the copy."""
+        if blocks_needed(request.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
+            return False
+        device = self.kv.pool.allocate(len(request.swapped_blocks))
+        request.block_table = device
+        batch.swap_in.append((request.swapped_blocks, device))
+        request.swapped_blocks = []
+        self.num_swap_ins += 1
+        return True
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -110,16 +150,23 @@ class Scheduler:
             if _blocked_by_sibling(request):
                 position += 1
                 continue
-            hits = self.kv.computed_blocks(request) if not request.block_table else []
-            if not self.kv.can_admit(request, hits):
-                break
-            saved = request.num_computed_tokens
-            self.kv.admit(request, hits)
-            num_new = self._chunk(request, budget)
-            if num_new > budget or not self.kv.allocate_slots(request, num_new):
-                self.kv.free(request)  # gives the hits back; nothing else changed
-                request.num_computed_tokens = saved
-                break
+            if not self.config.enable_chunked_prefill and self._chunk(request, budget) > budget:
+                break  # unchunked work that does not fit this step's budget waits for the next one
+            if request.status is RequestStatus.SWAPPED:
+                if not self._swap_in(request, batch):
+                    break
+                num_new = self._chunk(request, budget)
+                self.kv.allocate_slots(request, num_new)  # fits: _swap_in checked the whole request
+            else:
+                hits = self.kv.computed_blocks(request)
+                if not self.kv.can_admit(request, hits):
+                    break
+                self.kv.admit(request, hits)
+                num_new = self._chunk(request, budget)
+                if num_new > budget or not self.kv.allocate_slots(request, num_new):
+                    self.kv.free(request)  # hand the hits back: nothing else changed
+                    request.num_computed_tokens = 0
+                    break
             del self.waiting[position]
             self.kv.count_lookup(request)
             if request.num_cached_tokens < 0:
@@ -136,6 +183,9 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        if request.swapped_blocks:
+            self.swap.free(request.swapped_blocks)
+            request.swapped_blocks = []
 
 
 def _blocked_by_sibling(request: Request) -> bool:
@@ -146,3 +196,20 @@ def _blocked_by_sibling(request: Request) -> bool:
         request.wait_for = None
         return False
     return True
+
+
+@dataclass(slots=True)
+class PreemptionCosts:
+    """Measured rates behind preemption_mode="auto": swapping moves a request's bytes out and back at the
+    measured copy bandwidth; recomputing re-runs its tokens at the measured prefill throughput."""
+
+    copy_bytes_per_s: float = 8e9
+    prefill_tokens_per_s: float = 5e3
+
+    def swap_is_cheaper(self, num_bytes: int, num_tokens: int) -> bool:
+        return 2 * num_bytes / self.copy_bytes_per_s < num_tokens / self.prefill_tokens_per_s
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Fold a mostly-prefill step into the throughput estimate (exponential moving average)."""
+        if num_tokens >= 64 and seconds > 0:
+            self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * num_tokens / seconds

@@ -113,3 +113,54 @@ def test_lru_keeps_cached_blocks_until_needed(llama):
                  use_tqdm=False)
     assert llm.generate([SYSTEM + [72]], params, use_tqdm=False)[0].num_cached_tokens < 48
     llm.engine.check_idle()
+
+
+SWAP = dict(block_size=4, num_blocks=30, swap_space=1 << 20)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "qwen3"])
+@pytest.mark.parametrize("mode", ["swap", "auto", "recompute"])
+def test_preemption_modes_keep_outputs(arch, mode):
+    model = cached_model(arch)
+    params = SamplingParams(max_tokens=16, temperature=0.7, seed=11, ignore_eos=True)
+    prompts = shared_prefix_prompts(seed=5)
+    expected, _ = run(model, prompts, params, enable_prefix_caching=False)
+    got, llm = run(model, prompts, params, preemption_mode=mode, **SWAP)
+    assert got == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swap_outs"] == stats["num_preemptions"] == stats["num_swap_ins"] > 0
+        assert stats["num_blocks_swapped"] > 0 and stats["num_recomputed_tokens"] == 0
+    if mode == "recompute":
+        assert stats["num_swap_outs"] == 0 and stats["num_recomputed_tokens"] > 0
+
+
+def test_full_swap_space_falls_back_to_recompute(llama):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = shared_prefix_prompts(seed=6)
+    expected, _ = run(llama, prompts, params, enable_prefix_caching=False)
+    one_block = LLM(llama, block_size=4).engine.spec.kv.bytes_per_block(4)
+    got, llm = run(llama, prompts, params, preemption_mode="swap", block_size=4, num_blocks=30,
+                   swap_space=2 * one_block)
+    assert got == expected
+    stats = llm.stats()
+    assert stats["num_swap_outs"] == 0 and stats["num_recomputed_tokens"] > 0  # never enough room: recompute
+
+
+def test_priority_decides_who_is_preempted(llama):
+    """The request with the larger priority value is preempted first, whatever its arrival."""
+    llm = LLM(llama, block_size=4, num_blocks=24, preemption_mode="recompute")
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    important = llm.add_request(SYSTEM[:30], params, priority=0)
+    background = llm.add_request(SYSTEM[10:40], params, priority=5)
+    later = llm.add_request(SYSTEM[20:50], params, priority=0)
+    preempted = []
+    while llm.has_unfinished_requests():
+        before = {r.request_id: r.num_preemptions for r in llm.engine.requests.values()}
+        llm.step()
+        preempted += [rid for rid, r in llm.engine.requests.items() if r.num_preemptions > before.get(rid, 0)]
+    assert preempted and preempted[0] == background
+    assert important not in preempted
+    llm.engine.check_idle()
+    assert later

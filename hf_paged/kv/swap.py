@@ -1,0 +1,86 @@
+"""Host swap space for preempted requests' KV blocks, and the block copies in both directions."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .cache import KVCache
+
+
+def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Split a block-to-block mapping into (src_start, dst_start, length) runs where both sides are consecutive,
+    so a whole request usually moves as a few large copies instead of one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_ids: list[int]) -> None:
+    """Copy blocks between storages shaped [layers, 2, num_blocks, ...] (any devices), run by run."""
+    non_blocking = src.device.type != dst.device.type
+    for s, d, n in contiguous_runs(src_ids, dst_ids):
+        dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=non_blocking)
+
+
+class SwapPool:
+    """`num_blocks` host blocks (pinned memory when the KV cache lives on CUDA) with an O(1) free list.
+
+    Copies run on a side stream on CUDA; `synchronize()` makes the forward pass wait for them. Lowest ids
+    are handed out first, so a request's blocks land in few contiguous runs.
+    """
+
+    def __init__(self, cache: KVCache, num_blocks: int):
+        shape = (cache.spec.num_layers, 2, num_blocks, *cache.storage.shape[3:])
+        pin = cache.storage.device.type == "cuda"
+        self.storage = torch.empty(shape, dtype=cache.storage.dtype, device="cpu", pin_memory=pin)
+        self.num_blocks = num_blocks
+        self.free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives the lowest id
+        self.stream = torch.cuda.Stream(cache.storage.device) if pin else None
+        self.bytes_per_block = self.storage[:, :, :1].numel() * self.storage.element_size()
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, count: int) -> list[int]:
+        return [self.free_ids.pop() for _ in range(count)]
+
+    def free(self, ids: list[int]) -> None:
+        self.free_ids.extend(reversed(ids))
+
+    def _copy(self, src, dst, src_ids, dst_ids) -> None:
+        if self.stream is None:
+            copy_blocks(src, dst, src_ids, dst_ids)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(src.device if src.is_cuda else dst.device))
+        with torch.cuda.stream(self.stream):
+            copy_blocks(src, dst, src_ids, dst_ids)
+
+    def swap_out(self, cache: KVCache, device_ids: list[int], host_ids: list[int]) -> None:
+        self._copy(cache.storage, self.storage, device_ids, host_ids)
+
+    def swap_in(self, cache: KVCache, host_ids: list[int], device_ids: list[int]) -> None:
+        self._copy(self.storage, cache.storage, host_ids, device_ids)
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.stream.synchronize()  # host blocks are reused right after; their copies must be done
+
+
+def measure_copy_bandwidth(cache: KVCache, blocks: int = 8) -> float:
+    """Bytes per second of a device -> host -> device round trip of a few blocks (for preemption_mode='auto')."""
+    blocks = max(1, min(blocks, cache.num_blocks))
+    host = torch.empty_like(cache.storage[:, :, :blocks], device="cpu")
+    start = time.perf_counter()
+    host.copy_(cache.storage[:, :, :blocks])
+    cache.storage[:, :, :blocks].copy_(host)
+    if cache.storage.is_cuda:
+        torch.cuda.synchronize(cache.storage.device)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    return 2 * host.numel() * host.element_size() / seconds

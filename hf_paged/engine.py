@@ -10,7 +10,7 @@ import torch
 from .config import EngineConfig, default_kv_cache_bytes, default_swap_bytes, logger
 from .integrations.model_spec import describe_model
 from .kv import KVCache, KVCacheManager, blocks_needed, choose_num_blocks
-from .kv.swap import SwapPool, measure_copy_bandwidth
+from .kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
 from .model_runner import ModelRunner
 from .request import CompletionOutput, Request, RequestOutput, RequestStatus
 from .sampling import SamplingParams, Sampler
@@ -111,8 +111,13 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, index: int = 0,
-                    controller: Any = None, prompt_text: str | None = None) -> list[Request]:
-        """Validate and queue one prompt (n samples become n requests). Returns the queued requests."""
+                    controller: Any = None, prompt_text: str | None = None,
+                    fork_of: Request | None = None) -> list[Request]:
+        """Validate and queue one prompt (n samples become n requests). Returns the queued requests.
+
+        Samples after the first (and requests given `fork_of`, a queued request with the same prompt) are not
+        scheduled on their own: when the first sample has computed the prompt they fork from it, sharing its
+        blocks and its first-token logits, so the prompt is computed once and all samples stay in step."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt, index)
         self.check_request(index, token_ids, params)
@@ -124,14 +129,16 @@ class Engine:
             rid = request_id if params.n == 1 else f"{request_id}#{sample}"
             request = Request(rid, index, token_ids, params, self.eos_token_ids, next(self._arrivals), priority,
                               prompt if isinstance(prompt, str) else prompt_text, sample, controller)
-            if sample > 0 and self.config.enable_prefix_caching:
-                request.wait_for = created[0]  # share the prompt's blocks instead of computing it n times
             if params.seed is not None:
                 request.generator = torch.Generator(self.spec.kv.device).manual_seed(params.seed + sample)
             if params.logprobs is not None:
                 request.logprobs = []
             self.requests[rid] = request
-            self.scheduler.add(request)
+            parent = created[0] if created else fork_of
+            if parent is not None and parent.prompt_token_ids == token_ids and parent.num_output_tokens == 0:
+                parent.forks.append(request)
+            else:
+                self.scheduler.add(request)
             created.append(request)
         return created
 
@@ -168,6 +175,7 @@ class Engine:
         self.counters["num_steps"] += 1
         self.counters["num_batched_tokens"] += batch.num_tokens
         sampled = [batch.requests[i] for i in inputs.sampled]
+        sampled, logits = self._start_forks(sampled, logits)
         for request in sampled:
             if request.num_output_tokens == 0 and request.num_preemptions == 0:
                 self.counters["num_prompt_tokens"] += request.num_prompt_tokens
@@ -181,6 +189,25 @@ class Engine:
                 self.counters["num_finished"] += 1
         return sampled
 
+    def _start_forks(self, sampled: list[Request], logits: torch.Tensor):
+        """Samples waiting on a prompt that was just computed join the batch with the same logits row."""
+        rows = [i for i, r in enumerate(sampled) if r.forks and r.num_output_tokens == 0]
+        if not rows:
+            return sampled, logits
+        extra, extra_rows = [], []
+        for i in rows:
+            for child in sampled[i].forks:
+                if not child.is_finished:
+                    self.scheduler.fork(sampled[i], child)
+                    extra.append(child)
+                    extra_rows.append(i)
+            sampled[i].forks = []
+        merged = sampled + extra
+        order = sorted(range(len(merged)), key=lambda j: (merged[j].index, merged[j].sample_index))
+        all_rows = list(range(len(sampled))) + extra_rows
+        index = torch.tensor([all_rows[j] for j in order], device=logits.device)
+        return [merged[j] for j in order], logits[index]
+
     def _move_blocks(self, batch) -> None:
         """Before the forward pass: save swapped-out blocks, clear newly handed-out ones, restore swapped-in
         ones (in that order: freed blocks may be handed out again in the same step)."""
@@ -189,6 +216,9 @@ class Engine:
         if batch.swap_out:
             self.swap.synchronize()
         self.runner.zero_blocks(self.kv.take_fresh_blocks())
+        copies = self.kv.take_copies()
+        if copies:
+            copy_blocks(self.kv_cache.storage, self.kv_cache.storage, *map(list, zip(*copies)))
         for host_ids, device_ids in batch.swap_in:
             self.swap.swap_in(self.kv_cache, host_ids, device_ids)
         if batch.swap_in:

@@ -53,7 +53,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chain keys of full blocks of all_token_ids
     num_published_blocks: int = 0  # leading table blocks already in the prefix map
     swapped_blocks: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
-    wait_for: "Request | None" = None  # a sibling sample whose prompt must be computed first (prefix sharing)
+    forks: list["Request"] = field(default_factory=list)  # other samples of this prompt, started from it
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

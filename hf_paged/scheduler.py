@@ -142,14 +142,9 @@ class Scheduler:
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        """Waiting requests in order. One whose sibling sample has not computed the shared prompt yet is
-        skipped (it will find the prompt in the prefix cache); the first that does not fit stops admission."""
-        position = 0
-        while position < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[position]
-            if _blocked_by_sibling(request):
-                position += 1
-                continue
+        """Waiting requests in arrival order; the first that does not fit stops admission."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
             if not self.config.enable_chunked_prefill and self._chunk(request, budget) > budget:
                 break  # unchunked work that does not fit this step's budget waits for the next one
             if request.status is RequestStatus.SWAPPED:
@@ -167,7 +162,7 @@ class Scheduler:
                     self.kv.free(request)  # hand the hits back: nothing else changed
                     request.num_computed_tokens = 0
                     break
-            del self.waiting[position]
+            self.waiting.popleft()
             self.kv.count_lookup(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
@@ -175,6 +170,14 @@ class Scheduler:
             self.running.append(request)
             batch.add(request, num_new)
             budget -= num_new
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start `child` (another sample of the same prompt) from `parent`'s computed prompt: it shares every
+        block, and the shared partly filled block is copied when one of them first writes to it."""
+        self.kv.fork(parent, child)
+        child.status = RequestStatus.RUNNING
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.running.append(child)
 
     def finish(self, request: Request) -> None:
         """Release a finished (or aborted) request's memory, wherever it is."""
@@ -186,16 +189,6 @@ class Scheduler:
         if request.swapped_blocks:
             self.swap.free(request.swapped_blocks)
             request.swapped_blocks = []
-
-
-def _blocked_by_sibling(request: Request) -> bool:
-    sibling = request.wait_for
-    if sibling is None:
-        return False
-    if sibling.is_finished or sibling.num_computed_tokens >= sibling.num_prompt_tokens:
-        request.wait_for = None
-        return False
-    return True
 
 
 @dataclass(slots=True)

@@ -89,15 +89,29 @@ def test_colliding_hash_still_gives_correct_output(llama, monkeypatch):
 
 
 def test_n_samples_share_the_prompt(llama):
-    prompt = SYSTEM + [61, 62, 63]
-    params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=3)
+    """n samples compute the prompt once and share its blocks; the partly filled block is copied on write."""
+    prompt = SYSTEM + [61, 62, 63]  # 51 tokens: 6 full blocks of 8 and a shared partial one
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=4, seed=3, ignore_eos=True)
     llm = LLM(llama, block_size=8)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
-    stats = llm.stats()
-    assert stats["prefix_cache_hit_tokens"] == 3 * 48, "samples 1..3 should reuse the 6 full prompt blocks"
-    separate = LLM(llama, block_size=8, enable_prefix_caching=False).generate([prompt], params, use_tqdm=False)[0]
-    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in separate.outputs]
+    assert llm.stats()["num_batched_tokens"] == len(prompt) + 4 * (6 - 1)  # prompt once, then 4 decodes per step
+    for sample, completion in enumerate(out.outputs):  # each sample equals the same seed run alone
+        alone = SamplingParams(max_tokens=6, temperature=1.0, seed=3 + sample, ignore_eos=True)
+        assert completion.token_ids == LLM(llama, block_size=8).generate([prompt], alone,
+                                                                          use_tqdm=False)[0].token_ids
     llm.engine.check_idle()
+
+
+def test_forked_samples_survive_preemption(llama):
+    prompt = SYSTEM[:21]
+    params = SamplingParams(max_tokens=20, temperature=0.9, n=3, seed=5, ignore_eos=True)
+    roomy = LLM(llama, block_size=4).generate([prompt, prompt[:13]], params, use_tqdm=False)
+    for mode in ("recompute", "swap"):
+        tight = LLM(llama, block_size=4, num_blocks=24, preemption_mode=mode, swap_space=1 << 20)
+        outs = tight.generate([prompt, prompt[:13]], params, use_tqdm=False)
+        assert tight.stats()["num_preemptions"] > 0
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in roomy]
+        tight.engine.check_idle()
 
 
 def test_lru_keeps_cached_blocks_until_needed(llama):

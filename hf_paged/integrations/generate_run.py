@@ -169,7 +169,11 @@ class GenerateRun:
         params = self.sampling_params()
         controller = None if self.native else self
         for b, prompt in enumerate(self.prompts):
-            self.requests += engine.add_request(prompt, params, index=b, controller=controller)
+            # num_return_sequences copies of a row fork from its first copy: the prompt is computed once
+            first = self.requests[-1] if b and prompt == self.prompts[b - 1] else None
+            while first is not None and first.index > 0 and self.prompts[first.index - 1] == prompt:
+                first = self.requests[first.index - 1]
+            self.requests += engine.add_request(prompt, params, index=b, controller=controller, fork_of=first)
         while engine.has_unfinished and self.error is None:
             engine.step()
             self.stream_ready()

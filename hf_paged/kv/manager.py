@@ -25,6 +25,7 @@ class KVCacheManager:
         self.hit_tokens = 0
         self.query_tokens = 0
         self._fresh: list[int] = []  # handed out since the last take_fresh_blocks()
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) not yet executed
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,14 +90,43 @@ class KVCacheManager:
     # ---- growth and release ------------------------------------------------------------------------
     def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
         total = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, total - len(request.block_table))
+        return max(0, total - len(request.block_table)) + (1 if self._shared_write_block(request) else 0)
+
+    def _shared_write_block(self, request: Request) -> int | None:
+        """Index in the table of the block the next token goes to, if other requests share it."""
+        index = request.num_computed_tokens // self.block_size
+        table = request.block_table
+        if index < len(table) and self.pool.blocks[table[index]].ref_count > 1:
+            return index
+        return None
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` the parent's table (one more reference on every block) and computed length."""
+        self.pool.touch([self.pool.blocks[i] for i in parent.block_table])
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.block_hashes = list(parent.block_hashes)
+        child.num_published_blocks = parent.num_published_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies to run before the next forward pass."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def allocate_slots(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
-        """Extend the table to hold `num_new_tokens` more tokens, keeping `reserve` blocks free.
+        """Extend the table to hold `num_new_tokens` more tokens, keeping `reserve` blocks free; a block the
+        request shares and is about to write is first replaced by a private copy.
         Returns False (and changes nothing) when the pool cannot cover it."""
         need = self.num_new_blocks(request, num_new_tokens)
         if need > self.pool.num_free_blocks - reserve:
             return False
+        shared = self._shared_write_block(request)
+        if shared is not None:
+            (copy,) = self.pool.allocate(1)
+            self._copies.append((request.block_table[shared], copy))
+            self.pool.free([request.block_table[shared]])
+            request.block_table[shared] = copy
+            need -= 1
         if need:
             ids = self.pool.allocate(need)
             request.block_table.extend(ids)

@@ -162,8 +162,8 @@ class Scheduler:
                     self.kv.free(request)  # hand the hits back: nothing else changed
                     request.num_computed_tokens = 0
                     break
+                self.kv.count_lookup(request)
             self.waiting.popleft()
-            self.kv.count_lookup(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
@@ -194,15 +194,19 @@ class Scheduler:
 @dataclass(slots=True)
 class PreemptionCosts:
     """Measured rates behind preemption_mode="auto": swapping moves a request's bytes out and back at the
-    measured copy bandwidth; recomputing re-runs its tokens at the measured prefill throughput."""
+    measured copy bandwidth; recomputing re-runs its tokens at the observed prefill throughput (until a
+    prefill-sized step has been seen, a conservative prior that favours recompute)."""
 
     copy_bytes_per_s: float = 8e9
-    prefill_tokens_per_s: float = 5e3
+    prefill_tokens_per_s: float | None = None
 
     def swap_is_cheaper(self, num_bytes: int, num_tokens: int) -> bool:
-        return 2 * num_bytes / self.copy_bytes_per_s < num_tokens / self.prefill_tokens_per_s
+        prefill = self.prefill_tokens_per_s or 1e5
+        return 2 * num_bytes / self.copy_bytes_per_s < num_tokens / prefill
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """Fold a mostly-prefill step into the throughput estimate (exponential moving average)."""
+        """Fold a prefill-sized step into the throughput estimate (exponential moving average)."""
         if num_tokens >= 64 and seconds > 0:
-            self.prefill_tokens_per_s = 0.8 * self.prefill_tokens_per_s + 0.2 * num_tokens / seconds
+            rate = num_tokens / seconds
+            previous = self.prefill_tokens_per_s
+            self.prefill_tokens_per_s = rate if previous is None else 0.5 * previous + 0.5 * rate

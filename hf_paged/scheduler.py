@@ -142,9 +142,15 @@ class Scheduler:
         return batch
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        """Waiting requests in arrival order; the first that does not fit stops admission."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """Waiting requests in arrival order; the first that does not fit stops admission. A request whose
+        prompt starts with blocks another request is computing right now waits for them to be published
+        instead of computing them again (it keeps its place in the queue)."""
+        position = 0
+        while position < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[position]
+            if request.status is not RequestStatus.SWAPPED and self._prefix_in_flight(request):
+                position += 1
+                continue
             if not self.config.enable_chunked_prefill and self._chunk(request, budget) > budget:
                 break  # unchunked work that does not fit this step's budget waits for the next one
             if request.status is RequestStatus.SWAPPED:
@@ -163,13 +169,24 @@ class Scheduler:
                     request.num_computed_tokens = 0
                     break
                 self.kv.count_lookup(request)
-            self.waiting.popleft()
+            del self.waiting[position]
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.add(request, num_new)
             budget -= num_new
+
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """Whether a running prefill will publish at least two more of `request`'s leading blocks than the
+        prefix cache holds now."""
+        if not self.kv.enable_prefix_caching:
+            return False
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        if not prefilling:
+            return False
+        cached = len(self.kv.computed_blocks(request))
+        return any(self.kv.common_prefix_blocks(request, other) >= cached + 2 for other in prefilling)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Start `child` (another sample of the same prompt) from `parent`'s computed prompt: it shares every

@@ -178,3 +178,14 @@ def test_priority_decides_who_is_preempted(llama):
     assert important not in preempted
     llm.engine.check_idle()
     assert later
+
+
+def test_burst_waits_for_the_shared_prefix_instead_of_recomputing_it(llama):
+    """Requests arriving together behind one that is computing their common prefix reuse it."""
+    prompts = shared_prefix_prompts(6, seed=9)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm = LLM(llama, block_size=8)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0] + [48] * 5
+    plain, _ = run(llama, prompts, params, enable_prefix_caching=False)
+    assert [o.token_ids for o in outs] == plain

@@ -54,6 +54,18 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def common_prefix_blocks(self, request: Request, other: Request) -> int:
+        """How many leading full prompt blocks two requests share (same salt, same tokens)."""
+        bs = self.block_size
+        count = min(request.num_prompt_tokens, other.num_prompt_tokens) // bs
+        if count == 0 or self._hashes(request, 1)[0] != self._hashes(other, 1)[0]:
+            return 0
+        mine, theirs = self._hashes(request, count), self._hashes(other, count)
+        shared = 0
+        while shared < count and mine[shared] == theirs[shared]:
+            shared += 1
+        return shared
+
     def can_admit(self, request: Request, hits: list[Block]) -> bool:
         """Whether blocks for the whole of `request` fit, counting hits that would leave the free queue."""
         revived = sum(1 for block in hits if block.ref_count == 0)

@@ -74,8 +74,10 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
         if self.swap_space is not None and (not isinstance(self.swap_space, int) or self.swap_space < 0):
             raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
-        if self.attention_backend not in ("torch", "auto"):
-            raise ValueError(f"attention_backend {self.attention_backend!r} is not available; use 'torch' or 'auto'")
+        from .attention.dispatch import BACKENDS
+
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose from {BACKENDS}")
 
 
 def available_host_memory() -> int:

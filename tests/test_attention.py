@@ -107,7 +107,7 @@ def test_half_precision(dtype, tol):
 
 def test_unknown_backend_is_a_clear_error():
     query, kc, vc, cu, ctx, tables, *_ = make_case([(1, 4)], 2, 1, 8, 8, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="not available"):
+    with pytest.raises(ValueError, match="not available here"):
         paged_attention(query, kc, vc, cu, ctx, tables, backend="cuda")
 
 

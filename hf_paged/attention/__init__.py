@@ -4,10 +4,9 @@ from __future__ import annotations
 import torch
 
 from .cpu_kernel import cpu_kernel_status
+from .dispatch import BACKENDS, select, why_not
 from .metadata import AttentionMetadata, SequenceGroupPlan
 from .torch_backend import store_kv, torch_paged_attention
-
-BACKENDS = ("auto", "torch")
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -19,12 +18,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """Causal attention of packed queries [T, H, D] over paged caches [num_blocks, block_size, H_kv, D].
 
     Either pass a prebuilt `metadata` (the engine does, once per step) or the raw varlen tensors.
-    backend "torch" is plain torch everywhere; "auto" also uses the native CPU decode kernel where it applies.
     Queries are aligned bottom-right: the last query row of sequence b sits at position context_lens[b] - 1.
-    `key` / `value` (the new tokens' K/V, [T, H_kv, D], already stored) let backends skip re-reading pages.
+    `backend`: one of BACKENDS. "torch" is plain torch; "auto" picks the best available for the device, shape
+    and block size (on CPU: torch plus the native decode kernel); asking for one that cannot run is an error.
+    `key` / `value` (the new tokens' K/V, [T, H_kv, D], already stored) let the torch backend skip re-reading pages.
     """
     if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not available here; choose from {BACKENDS}")
+        raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
     if scale is None:
         scale = query.shape[-1] ** -0.5
     if metadata is None:
@@ -38,8 +38,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         slots = [table[p // block_size] * block_size + p % block_size
                  for table, q, c in zip(tables, query_lens, contexts) for p in range(c - q, c)]
         metadata = AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, query.device)
-    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
-                                 native_decode=backend == "auto")
+    module = select(backend, query, key_cache, metadata, sliding_window, softcap)
+    if module.__name__.endswith("torch_backend"):
+        return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key,
+                                     value, native_decode=backend == "auto")
+    return module.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap)
 
 
-__all__ = ["AttentionMetadata", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS", "cpu_kernel_status"]
+__all__ = ["AttentionMetadata", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS", "cpu_kernel_status",
+           "why_not"]

@@ -88,6 +88,21 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     return out[0].transpose(0, 1)
 
 
+def unavailable_reason(device: torch.device) -> str | None:
+    return None  # plain torch runs wherever the tensors are
+
+
+def unsupported_reason(query, key_cache, metadata, sliding_window, softcap) -> str | None:
+    return None
+
+
+def paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window=None, softcap=None,
+                    key=None, value=None, native_decode=False):
+    """Backend entry point (see attention/dispatch.py)."""
+    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
+                                 native_decode)
+
+
 def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
                           softcap: float | None = None, key: torch.Tensor | None = None,

@@ -51,7 +51,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit_result, format_table, machine_info, run_worker, set_threads, write_json  # noqa: E402
+from common import (emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
+                    save_figure, set_threads, write_json)
 
 DISTS = ("loguniform", "uniform")
 FULL = dict(model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=8192,
@@ -216,13 +217,8 @@ def summarise_paged(r: dict) -> dict:
 
 
 def plot(path: Path, report: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot: matplotlib is not installed (pip install matplotlib); no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, (dist, entry) in enumerate(report["runs"].items()):
@@ -236,9 +232,7 @@ def plot(path: Path, report: dict) -> None:
     ax.set_ylabel("concurrent sequences")
     ax.set_title(f"KV budget {report['budget_mb']:g} MiB: sequences held")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 def main() -> int:

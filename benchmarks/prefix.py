@@ -48,7 +48,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit_result, format_table, machine_info, run_worker, set_threads, write_json  # noqa: E402
+from common import (emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
+                    save_figure, set_threads, write_json)
 
 MODES = ("reuse", "no_reuse")
 SCENARIOS = ("burst", "warm")
@@ -172,13 +173,8 @@ def summarise(r: dict) -> dict:
 
 
 def plot(path: Path, report: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot: matplotlib is not installed (pip install matplotlib); no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     scenarios = [s for s in SCENARIOS if any(k.startswith(s + "/") for k in report["runs"])]
     fig, axes = plt.subplots(1, len(scenarios), figsize=(5.5 * len(scenarios), 4.2), squeeze=False)
@@ -195,9 +191,7 @@ def plot(path: Path, report: dict) -> None:
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"{sc}: {report['requests']} requests, {report['system_prompt']}-token shared prefix")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 def main() -> int:

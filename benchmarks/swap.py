@@ -50,7 +50,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit_result, format_table, machine_info, run_worker, set_threads, write_json  # noqa: E402
+from common import (emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
+                    save_figure, set_threads, write_json)
 
 MODES = ("reference", "recompute", "swap", "auto")
 FULL = dict(model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=4096,
@@ -167,13 +168,8 @@ def breakeven(bandwidth: float, bpt: float, prefill: float) -> dict:
 
 
 def plot(path: Path, report: dict) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot: matplotlib is not installed (pip install matplotlib); no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (mode, r) in enumerate(report["modes"].items()):
@@ -193,9 +189,7 @@ def plot(path: Path, report: dict) -> None:
     for ax in (ax1, ax2):
         ax.legend(fontsize=8)
     fig.suptitle(f"{report['requests']} requests, pool = {report['pool_fraction']:.0%} of peak need")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 def main() -> int:

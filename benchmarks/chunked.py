@@ -2,8 +2,8 @@
 
 Full run (about a minute on 2 cores; use a quiet machine):
 
-    python benchmarks/chunked.py                         # 16 decoders, one 4,096-token prompt, chunk budget 512
-    python benchmarks/chunked.py --budget 512 --json benchmarks/results/chunked.json --plot
+    python benchmarks/chunked.py                         # 16 decoders, one 4,096-token prompt, chunk budget 64
+    python benchmarks/chunked.py --budget 512 --json /tmp/chunked512.json --plot
 
 Quick smoke test: `python benchmarks/chunked.py --small` (hidden 128, 2 layers, vocab 1000; 8 decoders with
 12-20-token prompts and 32 new tokens, one 1,024-token prompt, chunk budget 128). Timings are only meaningful
@@ -25,12 +25,12 @@ window (long prompt arrival -> its first token), the long prompt's time to first
 that produced its first token), the number of steps in that window, and total time (first add_request -> last
 decoder token).
 Modes:
-  chunked    hf_paged.LLM(model, enable_chunked_prefill=True,  max_num_batched_tokens=--budget (512))
+  chunked    hf_paged.LLM(model, enable_chunked_prefill=True,  max_num_batched_tokens=--budget (64))
   unchunked  hf_paged.LLM(model, enable_chunked_prefill=False, max_num_batched_tokens=8192)
 both with block_size=16 and num_blocks sized to the workload (no preemption; checked).
 
 Each mode runs in its own subprocess (as throughput.py does): the two modes leave very different allocator
-state behind (one 4,096-token prefill vs eight 512-token chunks), which would bias whichever ran second, and a
+state behind (one 4,096-token prefill vs many small chunks), which would bias whichever ran second, and a
 fresh process also loads hf_paged's native decode kernel on its own. Inside each process the whole scenario
 is first rehearsed untimed with short decoders (max_tokens settle+4) and other random prompts of the same
 lengths (the same ones would be prefix-cache hits in the measured run; the hit count is recorded and must be
@@ -39,10 +39,11 @@ the way; then the scenario runs once more, measured, on the same LLM. `--repeats
 times per mode (alternating processes chunked/unchunked) and pools the samples.
 Reading p99: without chunking the one long step stalls each decoder once, i.e. 16 of 16 x 95 = 1,520 gaps
 (~1 %), so p99 lands on the edge of that stall (interpolated ~80 % of the way into it); max and the
-"max ITL in window" column show it unambiguously. With chunking the ~9 chunk steps are ~10 % of the gaps.
-On CPU a forward pass costs roughly in proportion to its tokens, so a 512-token chunk step is far slower
-than a 16-token decode step; the p99 <= 2x median target is a GPU-style target (prefill chunks that ride
-along memory-bound decodes almost for free). Smaller --budget values trade a longer TTFT for lower ITL spikes.
+"max ITL in window" column show it unambiguously. With chunking the chunk steps are a large share of the gaps.
+On CPU a forward pass costs roughly in proportion to its tokens and to the context a chunk attends to, so a
+512-token chunk step is far slower than a 16-token decode step (p99/median ~13); the default budget of 64
+tokens per step keeps chunk steps within ~2x of a decode step (p99/median ~1.8) at the price of a longer TTFT
+for the long prompt. --budget trades one for the other.
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ from common import (emit_result, format_table, machine_info, pyplot, run_worker,
 MODES = ("chunked", "unchunked")
 FULL = dict(model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=8192,
                        intermediate_size=1376), decoders=16, decoder_prompt=(28, 36), decode_tokens=96,
-            long_prompt=4096, long_tokens=8, budget=512, unchunked_budget=8192)
+            long_prompt=4096, long_tokens=8, budget=64, unchunked_budget=8192)
 SMALL = dict(model=dict(vocab_size=1000, hidden=128, layers=2, heads=4, kv_heads=2, max_len=2048,
                         intermediate_size=344), decoders=8, decoder_prompt=(12, 20), decode_tokens=32,
              long_prompt=1024, long_tokens=8, budget=128, unchunked_budget=2048)
@@ -210,7 +211,7 @@ def plot(path: Path, report: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=int, default=None,
-                        help="max_num_batched_tokens with chunking (default 512; small 128)")
+                        help="max_num_batched_tokens with chunking (default 64; small 128)")
     parser.add_argument("--decode-tokens", type=int, default=None, help="max_tokens of each decoder (default 96)")
     parser.add_argument("--settle", type=int, default=4, help="decode steps between the decoders' prefill and the "
                                                                 "long prompt's arrival")

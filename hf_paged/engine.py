@@ -311,7 +311,7 @@ class Engine:
         return RequestOutput(base_id, first.prompt, list(first.prompt_token_ids),
                              [self.completion(r) for r in sorted(requests, key=lambda r: r.sample_index)],
                              num_cached_tokens=max(0, first.num_cached_tokens),
-                             finished=all(r.is_finished for r in requests))
+                             finished=all(r.is_finished for r in requests), metrics=_metrics(requests))
 
     def release(self, request: Request) -> None:
         """Forget a finished request (its memory is already free)."""
@@ -344,6 +344,16 @@ class Engine:
         self.kv.pool.check_all_free()
         if self.swap is not None and self.swap.num_free != self.swap.num_blocks:
             raise AssertionError(f"swap blocks still held: {self.swap.num_blocks - self.swap.num_free}")
+
+
+def _metrics(requests: list[Request]) -> dict:
+    """Wall-clock timings of one prompt's samples (seconds since it was added)."""
+    first = requests[0]
+    firsts = [r.first_token_time for r in requests if r.first_token_time is not None]
+    ends = [r.finished_time for r in requests if r.finished_time is not None]
+    return {"time_to_first_token_s": min(firsts) - first.arrival_time if firsts else None,
+            "latency_s": max(ends) - first.arrival_time if len(ends) == len(requests) else None,
+            "num_preemptions": sum(r.num_preemptions for r in requests)}
 
 
 __all__ = ["Engine", "RequestStatus"]

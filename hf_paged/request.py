@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finished_time: float | None = None
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission (-1: not yet)
     block_hashes: list[bytes] = field(default_factory=list)  # chain keys of full blocks of all_token_ids
     num_published_blocks: int = 0  # leading table blocks already in the prefix map
@@ -75,10 +79,13 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def finish(self, reason: str, error: str | None = None) -> None:
+        self.finished_time = time.perf_counter()
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error
@@ -104,6 +111,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = True
+    metrics: dict = field(default_factory=dict)  # time_to_first_token_s, latency_s, num_preemptions
 
     @property
     def token_ids(self) -> list[int]:

@@ -31,6 +31,7 @@ def test_generate_matches_hf_in_input_order_and_frees_everything(llama):
     for o, p in zip(outs, batch):
         assert o.token_ids == hf_greedy(llama, p, 12)
         assert o.finish_reason == "length" and o.num_cached_tokens == 0
+    assert all(0 < o.metrics["time_to_first_token_s"] <= o.metrics["latency_s"] for o in outs)
     stats = llm.stats()
     assert stats["num_blocks_free"] == stats["num_blocks_total"] == 64
     assert stats["num_running"] == stats["num_waiting"] == 0

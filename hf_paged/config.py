@@ -33,6 +33,7 @@ class EngineConfig:
     preemption_mode: str = "auto"  # "recompute", "swap", or "auto" (cheaper of the two, per request)
     swap_space: int | None = None  # bytes of host swap space; None: 4 GiB beside a GPU, none on CPU
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3" (per-layer scaled, half/quarter memory)
     seed: int | None = None
 
     @classmethod
@@ -74,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
         if self.swap_space is not None and (not isinstance(self.swap_space, int) or self.swap_space < 0):
             raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         from .attention.dispatch import BACKENDS
 
         if self.attention_backend not in BACKENDS:

@@ -42,6 +42,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = describe_model(model)
+        if self.config.kv_cache_dtype == "fp8_e4m3":
+            self.spec.kv.dtype = torch.float8_e4m3fn
         self.max_model_len = self.config.max_model_len or self.spec.max_model_len
         budget = self.config.kv_cache_memory or default_kv_cache_bytes(self.spec.kv.device)
         num_blocks = choose_num_blocks(self.spec.kv, self.config.block_size, self.config.num_blocks, budget)

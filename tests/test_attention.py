@@ -120,3 +120,27 @@ def test_native_cpu_decode_kernel_builds_and_matches_reference():
     ref = reference(query, keys, values, [1] * len(seqs), 0.125, None, None)
     native = paged_attention(query, kc, vc, cu, ctx, tables, scale=0.125, backend="auto")
     torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_cache_with_per_layer_scales():
+    """fp8 e4m3 pages hold value / scale; the torch backend dequantizes. Error stays at fp8 precision."""
+    query, kc, vc, cu, ctx, tables, keys, values = make_case(MIXED, 8, 2, 32, 16, torch.float32, seed=21)
+    k_scale, v_scale = float(kc.abs().max()) / 224, float(vc.abs().max()) / 224
+    kq = (kc / k_scale).to(torch.float8_e4m3fn)
+    vq = (vc / v_scale).to(torch.float8_e4m3fn)
+    out = paged_attention(query, kq, vq, cu, ctx, tables, scale=0.2, backend="torch", kv_scales=(k_scale, v_scale))
+    ref = reference(query, keys, values, [q for q, _ in MIXED], 0.2, None, None)
+    error = (out.double() - ref).abs().max().item()
+    assert error < 0.15, error
+    unscaled = paged_attention(query, kq, vq, cu, ctx, tables, scale=0.2, backend="torch")
+    assert (unscaled.double() - ref).abs().max().item() > 5 * error  # the scales really are applied
+
+
+def test_store_kv_quantizes_into_fp8_pages():
+    cache = torch.zeros(4, 8, 2, 16, dtype=torch.float8_e4m3fn)
+    other = torch.zeros_like(cache)
+    new = torch.randn(3, 2, 16) * 50
+    store_kv(new, new, cache, other, torch.tensor([0, 9, 31]), k_scale=0.5, v_scale=1.0)
+    flat = cache.view(-1, 2, 16).float()
+    torch.testing.assert_close(flat[[0, 9, 31]] * 0.5, new, atol=4.0, rtol=0.07)
+    assert flat[1].abs().sum() == 0

@@ -173,3 +173,15 @@ def test_default_pool_is_modest(llama):
 
     assert llm.stats()["kv_cache_bytes"] <= min(2 << 30, 0.2 * available_host_memory()) + 1
     assert hf_paged.is_enabled()
+
+
+def test_fp8_kv_cache_quarter_memory_and_close_outputs(llama):
+    batch = prompts(4, seed=3)
+    full = LLM(llama, block_size=8, num_blocks=64)
+    fp8 = LLM(llama, block_size=8, num_blocks=64, kv_cache_dtype="fp8_e4m3")
+    assert fp8.stats()["kv_cache_bytes"] * 4 == full.stats()["kv_cache_bytes"]
+    a = [o.token_ids for o in full.generate(batch, GREEDY, use_tqdm=False)]
+    b = [o.token_ids for o in fp8.generate(batch, GREEDY, use_tqdm=False)]
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    assert same >= 0.75 * sum(map(len, a)), (a, b)
+    fp8.engine.check_idle()

@@ -14,7 +14,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor | None = None, *, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None, backend: str = "auto",
                     metadata: AttentionMetadata | None = None, key: torch.Tensor | None = None,
-                    value: torch.Tensor | None = None) -> torch.Tensor:
+                    value: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Causal attention of packed queries [T, H, D] over paged caches [num_blocks, block_size, H_kv, D].
 
     Either pass a prebuilt `metadata` (the engine does, once per step) or the raw varlen tensors.
@@ -22,6 +22,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     `backend`: one of BACKENDS. "torch" is plain torch; "auto" picks the best available for the device, shape
     and block size (on CPU: torch plus the native decode kernel); asking for one that cannot run is an error.
     `key` / `value` (the new tokens' K/V, [T, H_kv, D], already stored) let the torch backend skip re-reading pages.
+    `kv_scales`: (k_scale, v_scale) of an fp8 cache (stored = value / scale).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
@@ -41,7 +42,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     module = select(backend, query, key_cache, metadata, sliding_window, softcap)
     if module.__name__.endswith("torch_backend"):
         return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key,
-                                     value, native_decode=backend == "auto")
+                                     value, native_decode=backend == "auto", kv_scales=kv_scales)
+    if key_cache.dtype.itemsize == 1 and kv_scales != (1.0, 1.0):
+        raise ValueError(f"{module.__name__} does not read scaled fp8 caches; use the torch backend")
     return module.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap)
 
 

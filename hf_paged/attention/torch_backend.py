@@ -15,12 +15,33 @@ from .cpu_kernel import load_cpu_kernel, usable
 from .metadata import AttentionMetadata, SequenceGroupPlan
 
 
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_MAX = 448.0
+
+
+def quantize(values: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Values as stored in a cache of `cache_dtype`: fp8 caches hold values / scale, saturated to the fp8 range."""
+    if cache_dtype in FP8_DTYPES:
+        return (values.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(cache_dtype)
+    return values.to(cache_dtype)
+
+
+def dequantize(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    if stored.dtype in FP8_DTYPES:
+        return stored.to(dtype) * scale
+    return stored.to(dtype)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' K/V ([T, H_kv, D]) into their flat slots of the [num_blocks, block_size, H_kv, D] caches."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write new tokens' K/V ([T, H_kv, D]) into their flat slots of the [num_blocks, block_size, H_kv, D] caches
+    (quantized with the per-layer scales when the caches are fp8)."""
     num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for cache, new, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+        stored = quantize(new, cache.dtype, scale)
+        if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel on CPU: move the bytes
+            cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, stored)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -28,7 +49,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: SequenceGroupPlan,
-                  scale: float, sliding_window: int | None, softcap: float | None, native) -> torch.Tensor:
+                  scale: float, sliding_window: int | None, softcap: float | None, native,
+                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     if native is not None and plan.max_query_len == 1:
         return native(query[plan.rows], key_cache, value_cache, plan.block_tables, plan.context_lens.view(-1),
                       scale, sliding_window, softcap)
@@ -38,6 +60,7 @@ def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     q = query[plan.query_index].transpose(1, 2)  # [G, H, Q, D]
     k = key_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
     v = value_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    k, v = dequantize(k, q.dtype, kv_scales[0]), dequantize(v, q.dtype, kv_scales[1])
     allowed = plan.mask(sliding_window)  # [G, 1, Q, L]
     if softcap:
         out = _softcapped(q, k, v, allowed, scale, softcap)
@@ -97,16 +120,17 @@ def unsupported_reason(query, key_cache, metadata, sliding_window, softcap) -> s
 
 
 def paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window=None, softcap=None,
-                    key=None, value=None, native_decode=False):
+                    key=None, value=None, native_decode=False, kv_scales=(1.0, 1.0)):
     """Backend entry point (see attention/dispatch.py)."""
     return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
-                                 native_decode)
+                                 native_decode, kv_scales)
 
 
 def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
                           softcap: float | None = None, key: torch.Tensor | None = None,
-                          value: torch.Tensor | None = None, native_decode: bool = False) -> torch.Tensor:
+                          value: torch.Tensor | None = None, native_decode: bool = False,
+                          kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """query [T, H, D] -> output [T, H, D]; the new tokens' K/V must already be stored.
     With the new tokens' `key` / `value` ([T, H_kv, D]) fresh prompts skip the page gather.
     `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built."""
@@ -114,10 +138,11 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     out = torch.empty_like(query)
     for plan in metadata.groups:
         out.index_copy_(0, plan.rows, _attend_group(query, key_cache, value_cache, plan, scale, sliding_window, softcap,
-                                                    native))
+                                                    native, kv_scales))
     for start, end in metadata.fresh:
         if key is None:
-            key, value = _gather_rows(key_cache, metadata), _gather_rows(value_cache, metadata)
+            key = dequantize(_gather_rows(key_cache, metadata), query.dtype, kv_scales[0])
+            value = dequantize(_gather_rows(value_cache, metadata), query.dtype, kv_scales[1])
         out[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale, sliding_window,
                                        softcap)
     return out

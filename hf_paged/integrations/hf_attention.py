@@ -32,10 +32,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     cache = paged_context.kv_cache
     meta = paged_context.metadata
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping)
+    scales = cache.scales_for(layer, k, v)
+    store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping, *scales)
     out = paged_attention(q, cache.key_caches[layer], cache.value_caches[layer], metadata=meta, scale=scaling,
                           sliding_window=sliding_window, softcap=softcap, backend=paged_context.backend,
-                          key=k, value=v)
+                          key=k, value=v, kv_scales=scales)
     return out[None], None
 
 

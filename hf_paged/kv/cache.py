@@ -34,8 +34,20 @@ class KVCache:
         self.storage = torch.empty(shape, dtype=spec.dtype, device=spec.device)
         self.key_caches = [self.storage[i, 0] for i in range(spec.num_layers)]
         self.value_caches = [self.storage[i, 1] for i in range(spec.num_layers)]
+        # fp8 caches: per-layer (k_scale, v_scale), fixed from each layer's first K/V (see `scales_for`)
+        self.quantized = self.storage.element_size() == 1
+        self.kv_scales: list[tuple[float, float] | None] = [None if self.quantized else (1.0, 1.0)] * spec.num_layers
         logger.info("hf_paged KV cache: %d blocks x %d tokens, %.1f MiB on %s", num_blocks, block_size,
                     self.storage.numel() * self.storage.element_size() / 2**20, spec.device)
+
+    def scales_for(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[float, float]:
+        """A layer's fp8 scales: its first K/V's absolute maximum mapped to half the fp8 range (2x headroom;
+        values beyond it saturate). Always (1.0, 1.0) for unquantized caches."""
+        scales = self.kv_scales[layer]
+        if scales is None:
+            scales = tuple(max(float(t.abs().max()) / 224.0, 1e-6) for t in (key, value))
+            self.kv_scales[layer] = scales
+        return scales
 
     @property
     def num_bytes(self) -> int:

@@ -1,0 +1,277 @@
+"""Triton paged-attention backend (see attention/dispatch.py for the module contract).
+
+One unified varlen kernel serves decodes, fresh prompts and chunked prefills in a single launch: a program is
+(query tile of one sequence, KV head[, KV split]); its rows pack the query tokens x query heads of that KV head's
+GQA group, so each K/V tile is read once per group. Decode-only batches with long contexts and too few
+(sequence, KV head) programs to fill the GPU split each sequence's KV range over several programs, and a small
+second kernel combines their partial softmax states. Also: `triton_store_kv` and `triton_copy_blocks`.
+
+Kernels live in triton_kernels.py; they are interpreter functions when TRITON_INTERPRET=1 was set before that
+module was first imported (then this backend runs on CPU tensors, slowly: for tests).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .metadata import AttentionMetadata
+
+try:
+    import triton
+
+    from . import triton_kernels as kernels
+    _IMPORT_ERROR = None
+except ImportError as e:  # optional dependency: the backend reports itself unavailable
+    triton = kernels = None
+    _IMPORT_ERROR = f"triton is not installed ({e}); pip install 'hf_paged[triton]'"
+
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MAX_HEADS_PER_KV = 128
+NO_WINDOW = 1 << 30
+# split-KV rule: decode-only steps whose (sequences x KV heads) programs would not fill 2 waves of SMs are split
+# so that every split still walks at least SPLIT_MIN_KEYS keys; at most MAX_SPLITS splits.
+SPLIT_MIN_KEYS = 256
+MAX_SPLITS = 32
+SPLIT_WAVES = 2
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _interpreted() -> bool:
+    return kernels is not None and not isinstance(kernels.paged_attention_kernel, triton.runtime.JITFunction)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    if _IMPORT_ERROR is not None:
+        return _IMPORT_ERROR
+    if torch.device(device).type == "cuda":
+        return None if not _interpreted() else "triton kernels were defined in interpreter mode (TRITON_INTERPRET=1)"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton needs a CUDA device (or TRITON_INTERPRET=1)"
+    if not _interpreted():
+        return "TRITON_INTERPRET=1 was set after the triton kernels were defined (set it before importing hf_paged)"
+    return None
+
+
+def unsupported_reason(query, key_cache, metadata, sliding_window, softcap) -> str | None:
+    if query.dtype not in DTYPES:
+        return f"triton backend supports float16 / bfloat16 / float32, not {query.dtype}"
+    if key_cache.dtype != query.dtype:
+        return f"triton backend needs the cache dtype ({key_cache.dtype}) to match the queries ({query.dtype})"
+    block_size = key_cache.shape[1]
+    if block_size < 8 or block_size & (block_size - 1):
+        return f"triton backend needs a power-of-two block size >= 8, not {block_size}"
+    head_dim = query.shape[-1]
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM or head_dim % 8:
+        return f"triton backend supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM} in steps of 8, not {head_dim}"
+    heads, kv_heads = query.shape[1], key_cache.shape[2]
+    if heads % kv_heads or heads // kv_heads > MAX_HEADS_PER_KV:
+        return f"triton backend needs query heads ({heads}) a multiple of KV heads ({kv_heads}), at most " \
+               f"{MAX_HEADS_PER_KV} per KV head"
+    if query.stride(-1) != 1 or key_cache.stride(-1) != 1:
+        return "triton backend needs the head dim contiguous in queries and caches"
+    if key_cache.device != query.device:
+        return "triton backend needs queries and caches on one device"
+    return None
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Everything that selects one compiled variant of `paged_attention_kernel`, plus its launch options."""
+
+    dtype: str  # "fp16" | "bf16" | "fp32"
+    head_dim: int
+    heads_per_kv: int
+    block_m: int  # rows per program: block_q tokens x heads_per_kv heads (+ padding to a power of two)
+    tile_n: int  # KV positions per inner step
+    softcap: bool
+    split: bool
+    num_warps: int
+    num_stages: int
+
+    @property
+    def head_pad(self) -> int:
+        return _pow2(self.head_dim)
+
+    @property
+    def block_q(self) -> int:
+        return self.block_m // self.heads_per_kv
+
+    def constexprs(self, upcast: bool = False) -> dict:
+        return dict(HEAD_DIM=self.head_dim, HEAD_PAD=self.head_pad, HEADS_PER_KV=self.heads_per_kv,
+                    BLOCK_M=self.block_m, BLOCK_Q=self.block_q, TILE_N=self.tile_n, USE_SOFTCAP=self.softcap,
+                    SPLIT=self.split, UPCAST=upcast, DOT_PRECISION="ieee" if self.dtype == "fp32" else "tf32")
+
+
+def choose_config(dtype: str, head_dim: int, heads_per_kv: int, decode_only: bool, softcap: bool,
+                  split: bool) -> KernelConfig:
+    """Decodes: 16-row tiles (a decode has one token, so rows are mostly the GQA group). Prefill: 64-row tiles.
+    Narrower KV tiles and more warps for 256-wide heads; fewer pipeline stages where fp32 tiles are large."""
+    head_pad = _pow2(max(head_dim, MIN_HEAD_DIM))
+    block_m = max(16 if decode_only else 64, _pow2(heads_per_kv))
+    tile_n = 64 if head_pad <= 128 else 32
+    num_warps = 8 if block_m * head_pad >= 64 * 256 else 4
+    num_stages = 2 if dtype == "fp32" and head_pad >= 128 else 3
+    return KernelConfig(dtype, head_dim, heads_per_kv, block_m, tile_n, softcap, split, num_warps, num_stages)
+
+
+def kernel_configs(head_dims=(16, 32, 64, 80, 96, 128, 256), heads_per_kv=(1, 2, 4, 8, 16, 32)):
+    """Every variant the dispatcher can pick for these head dims and GQA ratios (block size, sequence lengths,
+    window, scale and split count are runtime arguments; they never select a variant)."""
+    configs = []
+    for dtype, head_dim, per_kv, softcap, mode in itertools.product(("fp16", "bf16", "fp32"), head_dims, heads_per_kv,
+                                                                      (False, True), ("prefill", "decode", "split")):
+        configs.append(choose_config(dtype, head_dim, per_kv, mode != "prefill", softcap, mode == "split"))
+    return list(dict.fromkeys(configs))
+
+
+def kernel_signature(cfg: KernelConfig):
+    """(signature, constexprs, attrs) of `paged_attention_kernel` for `cfg` as the launcher specialises it
+    (pointers and head-dim multiples 16-byte aligned), for ahead-of-time compiles (triton.compile(ASTSource))."""
+    fn = kernels.paged_attention_kernel
+    names = fn.arg_names
+    constexprs = cfg.constexprs()
+    pointers = {"out_ptr": cfg.dtype, "q_ptr": cfg.dtype, "k_cache_ptr": cfg.dtype, "v_cache_ptr": cfg.dtype,
+                "block_tables_ptr": "i32", "cu_seqlens_q_ptr": "i32", "context_lens_ptr": "i32",
+                "part_m_ptr": "fp32", "part_l_ptr": "fp32", "part_acc_ptr": "fp32"}
+    signature = {}
+    for name in names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        elif name in ("scale", "softcap"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    aligned = [n for n in names if n in pointers or (n.startswith("stride_") and cfg.head_dim % 16 == 0)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    return signature, constexprs, attrs
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_count(num_seqs: int, num_kv_heads: int, max_query_len: int, max_context_len: int, sm_count: int,
+                sliding_window: int | None = None) -> int:
+    """Split-KV rule: only decode-only steps; splits fill SPLIT_WAVES waves of SMs with (sequence, KV head,
+    split) programs, each split keeping >= SPLIT_MIN_KEYS keys (of the window, if one applies)."""
+    keys = min(max_context_len, sliding_window) if sliding_window else max_context_len
+    programs = num_seqs * num_kv_heads
+    if max_query_len != 1 or keys < 2 * SPLIT_MIN_KEYS or programs >= SPLIT_WAVES * sm_count:
+        return 1
+    return max(1, min(-(-SPLIT_WAVES * sm_count // programs), keys // SPLIT_MIN_KEYS, MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    softcap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """query [T, H, D] -> output [T, H, D] (new K/V already stored). `num_splits` overrides the split-KV rule."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    block_size = key_cache.shape[1]
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return out
+    if value_cache.stride() != key_cache.stride() or value_cache.dtype != key_cache.dtype:
+        raise ValueError("triton backend needs key and value caches of one layout and dtype")
+    num_seqs = metadata.context_lens.shape[0]
+    if num_splits is None:
+        sms = _sm_count(query.device.index or 0) if query.is_cuda else 132
+        num_splits = split_count(num_seqs, num_kv_heads, metadata.max_query_len, metadata.max_context_len, sms,
+                                 sliding_window)
+    cfg = choose_config(DTYPES[query.dtype], head_dim, num_heads // num_kv_heads, metadata.max_query_len == 1,
+                        bool(softcap), num_splits > 1)
+    # numpy has no bfloat16 (the interpreter carries it as uint16 bits), so interpreted bf16 upcasts its loads
+    upcast = _interpreted() and query.dtype == torch.bfloat16
+    if cfg.split:
+        part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, cfg.head_pad, dtype=torch.float32,
+                               device=query.device)
+    else:
+        part_m = part_l = part_acc = _dummy(query.device)
+    tables = metadata.block_tables.contiguous()
+    window = sliding_window if sliding_window else NO_WINDOW
+    grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads, num_splits)
+    kernels.paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, tables, metadata.cu_seqlens_q, metadata.context_lens,
+        part_m, part_l, part_acc,
+        num_seqs, float(scale), float(softcap or 0.0), int(window), block_size.bit_length() - 1,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tables.stride(0),
+        **cfg.constexprs(upcast), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.split:
+        kernels.reduce_splits_kernel[(num_tokens, num_heads)](
+            out, part_m, part_l, part_acc, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad, num_warps=4 if cfg.head_pad >= 256 else 2)
+    return out
+
+
+def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """`store_kv` as one kernel: new K/V [T, H_kv, D] (any dtype, head dim contiguous) into flat slots of the
+    [num_blocks, block_size, H_kv, D] caches (cast to the cache dtype). Slots < 0 are skipped."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    block_size = key_cache.shape[1]
+    if block_size & (block_size - 1) or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("triton_store_kv needs a power-of-two block size and contiguous head dims")
+    head_pad = _pow2(head_dim)
+    block_h = min(_pow2(num_kv_heads), max(1, 4096 // head_pad))
+    grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
+    kernels.store_kv_kernel[grid](
+        key, value, key_cache, value_cache, slot_mapping, num_kv_heads, block_size.bit_length() - 1,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_H=block_h, num_warps=4)
+
+
+def triton_copy_blocks(src, dst, src_ids, dst_ids, block_dim: int = 0) -> None:
+    """Copy whole blocks src[..., src_ids[i], ...] -> dst[..., dst_ids[i], ...] on the GPU, one launch per tensor pair.
+
+    `src` / `dst`: tensors (or equal-length lists of them, e.g. every layer's K and V) whose dim `block_dim` is the
+    block index: [num_blocks, block_size, H_kv, D] caches (block_dim=0) or a [layers, 2, num_blocks, ...] storage
+    (block_dim=2, all layers in one launch). Dims after `block_dim` must be contiguous, dims before it collapsible.
+    Ids: lists or int tensors. Within one tensor, no dst id may also be a src id (copies run in parallel)."""
+    srcs, dsts = (list(src), list(dst)) if isinstance(src, (list, tuple)) else ([src], [dst])
+    if len(srcs) != len(dsts):
+        raise ValueError("triton_copy_blocks needs as many destinations as sources")
+    if not srcs or len(src_ids) == 0:
+        return
+    device = srcs[0].device
+    src_ids = torch.as_tensor(src_ids, dtype=torch.int64, device=device)
+    dst_ids = torch.as_tensor(dst_ids, dtype=torch.int64, device=device)
+    if src_ids.shape != dst_ids.shape:
+        raise ValueError("triton_copy_blocks needs as many dst_ids as src_ids")
+    for s, d in zip(srcs, dsts):
+        if s.dtype != d.dtype or s.shape[block_dim + 1:] != d.shape[block_dim + 1:] or \
+                s.shape[:block_dim] != d.shape[:block_dim]:
+            raise ValueError("triton_copy_blocks needs source and destination blocks of one shape and dtype")
+        lead = s.shape[:block_dim].numel()
+        try:  # views, never copies: [lead, blocks, block elements]
+            s2, d2 = (t.view(lead, t.shape[block_dim], -1) for t in (s, d))
+        except RuntimeError as e:
+            raise ValueError(f"triton_copy_blocks needs each block's elements contiguous: {e}") from e
+        block_numel = s2.shape[-1]
+        chunk = min(4096, _pow2(block_numel))
+        grid = (src_ids.numel(), s2.shape[0], triton.cdiv(block_numel, chunk))
+        kernels.copy_blocks_kernel[grid](s2, d2, src_ids, dst_ids, block_numel, s2.stride(0), s2.stride(1),
+                                         d2.stride(0), d2.stride(1), CHUNK=chunk, num_warps=4)

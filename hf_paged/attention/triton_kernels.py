@@ -1,0 +1,203 @@
+"""Triton kernels behind hf_paged.attention.triton_backend (imported only when triton is installed).
+
+Importing this module defines the kernels: with TRITON_INTERPRET=1 in the environment at that moment they
+become interpreter functions (numpy on the CPU), otherwise compiled GPU kernels.
+
+Layouts: queries / outputs [T, H, D] (any strides, last dim contiguous); caches [num_blocks, block_size, H_kv, D]
+(last dim contiguous); block tables int32 [B, max_blocks]; cu_seqlens_q / context_lens int32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+NEG_BIG = -1.0e30  # running-max start: finite, so a fully masked tile gives exp2(-inf - NEG_BIG) = 0, never NaN
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
+    """Sequence b owns query tiles [cu[b] // BLOCK_Q + b, ...): strictly increasing starts, so the owner of
+    program `pid` is the last b whose start is <= pid (binary search; no host-side tile map, no sync)."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _tanh(x):
+    # exp-based so it runs the same compiled and interpreted (no libdevice); no overflow for large |x|
+    t = tl.exp(-2.0 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    num_seqs, scale, softcap, window, log2_block_size,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_PER_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: (query tile of one sequence, KV head, KV split). Its BLOCK_M rows are BLOCK_Q query tokens
+    x HEADS_PER_KV query heads of the KV head's GQA group (row r: token r // HEADS_PER_KV, head r % HEADS_PER_KV),
+    so each K/V tile is read once for the whole group. KV positions are walked TILE_N at a time through the
+    block table with an online softmax in fp32. SPLIT: write this split's (max, sum, unnormalised out) for
+    `reduce_splits_kernel` instead of the output."""
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q)
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    tile_start = (pid - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if tile_start >= q_len:
+        return
+    context = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile_start + rows // HEADS_PER_KV
+    head = kv_head * HEADS_PER_KV + rows % HEADS_PER_KV
+    row_valid = (rows < BLOCK_Q * HEADS_PER_KV) & (tok < q_len)
+    q_pos = context - q_len + tok  # bottom-right aligned causal positions
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_DIM
+    row_index = (q_begin + tok).to(tl.int64)
+    q = tl.load(q_ptr + row_index[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if UPCAST:  # interpreter only: numpy has no bfloat16 (it is carried as uint16), so compute in fp32
+        q = q.to(tl.float32)
+
+    # keys this tile can see: [first query's position - window + 1, last query's position]; other tiles skipped
+    last_tok = tl.minimum(tile_start + BLOCK_Q, q_len) - 1
+    kv_lo = tl.maximum(context - q_len + tile_start - window + 1, 0)
+    kv_hi = context - q_len + last_tok + 1
+    tile_lo = kv_lo // TILE_N
+    tile_hi = tl.cdiv(kv_hi, TILE_N)
+    if SPLIT:
+        per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
+
+    block_mask = (1 << log2_block_size) - 1
+    if USE_SOFTCAP:
+        qk_scale = scale / softcap
+    else:
+        qk_scale = scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * TILE_N + tl.arange(0, TILE_N)
+        k_valid = k_pos < kv_hi
+        block = tl.load(table_row + (k_pos >> log2_block_size), mask=k_valid, other=0).to(tl.int64)
+        offset = k_pos & block_mask
+        k_off = block * stride_kb + offset * stride_ks + kv_head * stride_kh
+        v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_off[None, :] + dims[:, None], mask=k_valid[None, :] & dim_valid[:, None],
+                    other=0.0)  # [HEAD_PAD, TILE_N]
+        v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=k_valid[:, None] & dim_valid[None, :],
+                    other=0.0)  # [TILE_N, HEAD_PAD]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if USE_SOFTCAP:  # s = cap * tanh(s * scale / cap), then into log2 units
+            s = _tanh(s * qk_scale) * (softcap * 1.4426950408889634)
+        else:
+            s = s * qk_scale
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & k_valid[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        part = (row_index * (tl.num_programs(1) * HEADS_PER_KV) + head) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_valid[:, None])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + row_index[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+
+@triton.jit
+def reduce_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_splits, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """One program per (token, head): combine the splits' partial softmax states (log2 units)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (row * tl.num_programs(1) + head) * num_splits
+    dims = tl.arange(0, HEAD_PAD)
+    m_run = tl.load(part_m_ptr + base)
+    l_run = tl.load(part_l_ptr + base)
+    acc = tl.load(part_acc_ptr + base * HEAD_PAD + dims)
+    for s in range(1, num_splits):
+        m_s = tl.load(part_m_ptr + base + s)
+        m_new = tl.maximum(m_run, m_s)
+        alpha = tl.exp2(m_run - m_new)
+        beta = tl.exp2(m_s - m_new)
+        l_run = l_run * alpha + tl.load(part_l_ptr + base + s) * beta
+        acc = acc * alpha + tl.load(part_acc_ptr + (base + s) * HEAD_PAD + dims) * beta
+        m_run = m_new
+    out = acc / l_run
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def store_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, num_kv_heads,
+                    log2_block_size, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_ckb, stride_cks, stride_ckh, stride_cvb, stride_cvs, stride_cvh,
+                    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One program per (token, group of BLOCK_H KV heads): new K/V row -> its cache slot. Negative slots
+    (padding) are skipped. Values are cast to the cache dtype."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot >> log2_block_size
+    offset = slot & ((1 << log2_block_size) - 1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_PAD)
+    mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM)
+    k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(key_cache_ptr + block * stride_ckb + offset * stride_cks + heads[:, None] * stride_ckh + dims[None, :],
+             k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + block * stride_cvb + offset * stride_cvs + heads[:, None] * stride_cvh + dims[None, :],
+             v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, block_numel, stride_src_lead, stride_src_block,
+                       stride_dst_lead, stride_dst_block, CHUNK: tl.constexpr):
+    """Program (pair i, leading index l, chunk c): CHUNK elements of block src_ids[i] -> dst_ids[i]
+    (each block's [block_size, H_kv, D] elements contiguous)."""
+    i = tl.program_id(0)
+    lead = tl.program_id(1).to(tl.int64)
+    src = tl.load(src_ids_ptr + i).to(tl.int64)
+    dst = tl.load(dst_ids_ptr + i).to(tl.int64)
+    offs = tl.program_id(2).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_numel
+    x = tl.load(src_ptr + lead * stride_src_lead + src * stride_src_block + offs, mask=mask)
+    tl.store(dst_ptr + lead * stride_dst_lead + dst * stride_dst_block + offs, x, mask=mask)

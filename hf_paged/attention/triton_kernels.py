@@ -31,6 +31,25 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+# Only tl builtins below, plus these wrappers: triton.language's own @jit helpers (tl.max, tl.sum, tl.cdiv,
+# tl.zeros) are compiled-mode objects whenever triton was imported before TRITON_INTERPRET=1 was set (torch._dynamo
+# imports it early), and they then refuse to run inside interpreted kernels. tl.reduce with the standard combine
+# functions is what tl.max / tl.sum lower to (for fp32), and the interpreter maps it onto numpy.
+@triton.jit
+def _row_max(x):
+    return tl.reduce(x, 1, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _row_sum(x):
+    return tl.reduce(x, 1, tl.standard._sum_combine)
+
+
+@triton.jit
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
 @triton.jit
 def _tanh(x):
     # exp-based so it runs the same compiled and interpreted (no libdevice); no overflow for large |x|
@@ -86,9 +105,9 @@ def paged_attention_kernel(
     kv_lo = tl.maximum(context - q_len + tile_start - window + 1, 0)
     kv_hi = context - q_len + last_tok + 1
     tile_lo = kv_lo // TILE_N
-    tile_hi = tl.cdiv(kv_hi, TILE_N)
+    tile_hi = _cdiv(kv_hi, TILE_N)
     if SPLIT:
-        per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
+        per_split = _cdiv(tile_hi - tile_lo, num_splits)
         tile_lo = tile_lo + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
@@ -98,8 +117,8 @@ def paged_attention_kernel(
     else:
         qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t in range(tile_lo, tile_hi):
         k_pos = t * TILE_N + tl.arange(0, TILE_N)
@@ -122,10 +141,10 @@ def paged_attention_kernel(
             s = s * qk_scale
         allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & k_valid[None, :]
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, _row_max(s))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + _row_sum(p)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -135,7 +154,7 @@ def paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_valid[:, None])
     else:
-        out = acc / l_i[:, None]
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows may have seen no key at all
         tl.store(out_ptr + row_index[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 

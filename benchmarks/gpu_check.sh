@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One GPU session's checks and measurements, about 8 minutes on an H200:
+#
+#     bash benchmarks/gpu_check.sh OUTDIR
+#
+# 1. versions (nvidia-smi, torch, triton, transformers, flash libraries); transformers >= 5.24 is needed: a wheel
+#    carried in shared/wheels/transformers-*.whl is installed first (pip --no-deps) when present
+# 2. ceilings: device copy GB/s, pinned host<->device GB/s, bf16 matmul TFLOP/s      (benchmarks/gpu_bench.py)
+# 3. the csrc/ CUDA extension: the torch build (timed) and the ptxas report (tests/test_cuda_build.py)
+# 4. pytest -m gpu (tests/test_gpu.py: every available backend vs the float64 reference, the CUDA kernels)
+# 5. decode attention per backend as achieved GB/s vs the copy ceiling
+# 6. swap bandwidth: one copy per block vs contiguous runs vs the copy_blocks kernel
+# 7. engine vs transformers' generate_batch on a random ~1.1B Llama (bf16), and the swap/recompute break-even
+# 8. a short summary table (also in OUTDIR/summary.txt)
+#
+# Every step has its own time limit and log (OUTDIR/<step>.log); a failing step does not stop the others. All steps
+# share one deadline (GPU_CHECK_BUDGET seconds, default 480): a step gets at most what is left of it, and is skipped
+# when nothing is. Without CUDA the python steps print "skipped: no CUDA" (a CPU dry run).
+set -u
+OUTDIR=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export HF_PAGED_CACHE_DIR=${HF_PAGED_CACHE_DIR:-$OUTDIR/cache}
+export PYTHONUNBUFFERED=1
+BUDGET=${GPU_CHECK_BUDGET:-480}
+STATUS=()
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/NAME.log, remember the outcome
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS left=$((BUDGET - SECONDS - 5))
+    if [ $left -lt 10 ]; then
+        STATUS+=("$(printf '%-10s %-10s' "$name" "no time left")")
+        echo "=== $name: skipped, the ${BUDGET}s budget is spent"
+        return
+    fi
+    [ $limit -gt $left ] && limit=$left
+    echo "=== $name (limit ${limit}s)"
+    timeout --kill-after=10 "$limit" "$@" > "$OUTDIR/$name.log" 2>&1
+    local rc=$?
+    tail -n 40 "$OUTDIR/$name.log"
+    local outcome=ok
+    [ $rc -eq 124 ] && outcome="timed out"
+    [ $rc -ne 0 ] && [ $rc -ne 124 ] && outcome="exit $rc"
+    STATUS+=("$(printf '%-10s %-10s %4ds' "$name" "$outcome" $((SECONDS - start)))")
+}
+
+# 1. versions, and transformers from a carried wheel if there is one
+WHEEL=$(ls shared/wheels/transformers-*.whl 2>/dev/null | tail -n 1)
+if [ -n "$WHEEL" ]; then
+    step wheel 120 $PY -m pip install --no-deps --quiet "$WHEEL"
+fi
+step versions 30 bash -c "
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo 'nvidia-smi: not available'
+    command -v nvcc >/dev/null && nvcc --version | tail -n 2 || echo 'nvcc: not found'
+    $PY - <<'EOF'
+import importlib, platform
+import torch
+print('python', platform.python_version(), '| torch', torch.__version__, '| torch CUDA', torch.version.cuda,
+      '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')
+for name in ('transformers', 'triton', 'flash_attn', 'flash_attn_interface', 'flashinfer', 'ninja'):
+    try:
+        module = importlib.import_module(name)
+        print(f'{name:<22}', getattr(module, '__version__', 'installed'))
+    except Exception as e:
+        print(f'{name:<22} not available ({type(e).__name__})')
+import transformers
+major, minor = (int(x) for x in transformers.__version__.split('.')[:2])
+print('transformers >= 5.24:', (major, minor) >= (5, 24))
+EOF"
+
+# 2. ceilings
+step ceilings 60 $PY benchmarks/gpu_bench.py ceilings "$OUTDIR"
+
+# 3. the CUDA extension: the torch build (timed), then ptxas registers / spills with the local toolchain
+step build 180 bash -c "time $PY -m hf_paged.attention.cuda_backend"
+step ptxas 60 $PY -m pytest -q -s tests/test_cuda_build.py -p no:cacheprovider
+
+# 4. GPU tests
+step pytest_gpu 150 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs --maxfail=20 --durations=5
+
+# 5-7. measurements
+step decode 60 $PY benchmarks/gpu_bench.py decode "$OUTDIR"
+step swap 45 $PY benchmarks/gpu_bench.py swap "$OUTDIR"
+step engine 150 $PY benchmarks/gpu_bench.py engine "$OUTDIR"
+
+# 8. summary
+echo
+echo "=== summary"
+{
+    $PY benchmarks/gpu_bench.py table "$OUTDIR"
+    echo
+    echo "steps (OUTDIR/<step>.log):"
+    printf '  %s\n' "${STATUS[@]}"
+} | tee "$OUTDIR/summary.txt"

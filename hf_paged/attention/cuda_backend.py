@@ -1,0 +1,253 @@
+"""CUDA C++ paged-attention backend: the kernels in csrc/ (see attention/dispatch.py for the module contract).
+
+The extension is built on first use with `torch.utils.cpp_extension.load` (nvcc + ninja; without ninja, or when
+cpp_extension refuses the toolkit, nvcc and c++ are called directly) into `$HF_PAGED_CACHE_DIR/cuda/<hash of the
+sources>` (default ~/.cache/hf_paged/cuda), so later processes only load the built library. The sources are read
+from the repository's csrc/ folder (`HF_PAGED_CSRC` points elsewhere, e.g. for an installed package). It serves decode-only steps (`metadata.max_query_len == 1`); steps with prefills are left to the
+other backends by `unsupported_reason`.
+
+Building ahead of time: `HF_PAGED_BUILD_CUDA=1` builds (or loads) the extension when this module is imported,
+instead of on the first attention call; `python -m hf_paged.attention.cuda_backend` does the same and prints the
+status. There is no install-time hook (pip install builds nothing).
+
+Besides the backend contract: `store_kv` (reshape_and_cache into the NHD pages), `copy_blocks` (copy-on-write block
+copies on the device, and host <-> device swaps from pinned host memory in one launch) and `decode_plan`.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from .metadata import AttentionMetadata
+
+CSRC = Path(os.environ.get("HF_PAGED_CSRC") or Path(__file__).resolve().parents[2] / "csrc")
+SOURCES = ("bindings.cpp", "paged_attention.cu")
+HEADERS = ("paged_attention.h",)
+HEAD_DIMS = (64, 128, 256)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CUDA_FLAGS = ["-O3", "-lineinfo"]
+_status: dict[str, str] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("HF_PAGED_CACHE_DIR") or Path.home() / ".cache" / "hf_paged") / "cuda"
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit folder (with include/cuda_runtime_api.h): CUDA_HOME, torch's guess, or next to nvcc."""
+    from torch.utils import cpp_extension
+
+    nvcc = shutil.which("nvcc")
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_extension.CUDA_HOME,
+                  Path(nvcc).resolve().parents[1] if nvcc else None, "/usr/local/cuda"]
+    for home in candidates:
+        if home and (Path(home) / "include" / "cuda_runtime_api.h").is_file():
+            return Path(home)
+    return None
+
+
+def prerequisites_missing() -> str | None:
+    """Why the extension cannot even be built here (None: it can be tried)."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} was built without CUDA"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    if _nvcc() is None:
+        return "nvcc was not found (install the CUDA toolkit or set CUDA_HOME)"
+    if cuda_home() is None:
+        return "the CUDA toolkit headers (include/cuda_runtime_api.h) were not found; set CUDA_HOME"
+    missing = [name for name in (*SOURCES, *HEADERS) if not (CSRC / name).is_file()]
+    if missing:
+        return f"the CUDA sources are missing from {CSRC}: {missing} (set HF_PAGED_CSRC to the csrc folder)"
+    return None
+
+
+def _nvcc() -> str | None:
+    home = cuda_home()
+    if home is not None and (home / "bin" / "nvcc").exists():
+        return str(home / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def _source_hash() -> str:
+    digest = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join([torch.__version__, str(torch.version.cuda), *CUDA_FLAGS,
+                            os.environ.get("TORCH_CUDA_ARCH_LIST", "")]).encode())
+    return digest.hexdigest()[:16]
+
+
+def _build_with_torch(name: str, build_dir: Path) -> None:
+    """torch.utils.cpp_extension.load: ninja, torch's flags, the library registered on load."""
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not installed (pip install ninja)")
+    home = cuda_home()  # also passed explicitly: torch's guess can be a wrapper script's folder (/usr/local)
+    cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES],
+                       extra_include_paths=[str(CSRC), str(home / "include")], extra_cuda_cflags=CUDA_FLAGS,
+                       extra_cflags=["-O3"], extra_ldflags=[f"-L{home / 'lib64'}"], build_directory=str(build_dir),
+                       is_python_module=False, verbose=os.environ.get("HF_PAGED_BUILD_VERBOSE") == "1")
+
+
+def _arch_flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    try:
+        return cpp_extension._get_cuda_arch_flags()  # honours TORCH_CUDA_ARCH_LIST; private, hence the fallback
+    except Exception:  # noqa: BLE001
+        major, minor = torch.cuda.get_device_capability()
+        return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
+
+
+def _build_direct(name: str, build_dir: Path) -> None:
+    """Without ninja (or when cpp_extension refuses the toolkit): nvcc and the host compiler called directly,
+    the shared library loaded with torch.ops.load_library."""
+    import subprocess
+
+    from torch.utils import cpp_extension
+
+    home, nvcc = cuda_home(), _nvcc()
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no host C++ compiler (c++ / g++)")
+    target = build_dir / f"{name}.so"
+    if not target.exists():
+        abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+        includes = [f"-I{d}" for d in (*cpp_extension.include_paths(), str(CSRC), str(home / "include"))]
+        kernels, bindings = build_dir / "paged_attention.o", build_dir / "bindings.o"
+        torch_lib = cpp_extension.library_paths()[0]
+        commands = [
+            [nvcc, "-c", str(CSRC / "paged_attention.cu"), "-o", str(kernels), "-std=c++17", "--compiler-options",
+             "-fPIC", *CUDA_FLAGS, *_arch_flags(), f"-I{CSRC}"],
+            [cxx, "-c", str(CSRC / "bindings.cpp"), "-o", str(bindings), "-O3", "-fPIC", "-std=c++20", abi, *includes],
+            [cxx, "-shared", str(bindings), str(kernels), "-o", str(build_dir / f"{name}.tmp.so"), f"-L{torch_lib}",
+             "-lc10", "-lc10_cuda", "-ltorch_cpu", f"-L{home / 'lib64'}", "-lcudart", f"-Wl,-rpath,{torch_lib}"],
+        ]
+        for command in commands:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+            if proc.returncode:
+                raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        os.replace(build_dir / f"{name}.tmp.so", target)
+    torch.ops.load_library(str(target))
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> bool:
+    """Build or load the extension once per process; True when torch.ops.hf_paged is registered."""
+    reason = prerequisites_missing()
+    if reason is not None:
+        _status["reason"] = reason
+        return False
+    key = _source_hash()
+    name = f"hf_paged_cuda_{key}"
+    errors = []
+    for build in (_build_with_torch, _build_direct):
+        build_dir = cache_dir() / key / build.__name__.removeprefix("_build_")
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            build(name, build_dir)
+        except Exception as e:  # noqa: BLE001 - a failed build makes the backend unavailable, with the compiler's words
+            tail = "\n".join(str(e).splitlines()[-25:])
+            errors.append(f"{build.__name__} in {build_dir}: {type(e).__name__}: {tail}")
+            continue
+        _status["reason"] = "loaded"
+        return True
+    _status["reason"] = "building the CUDA extension failed:\n" + "\n".join(errors)
+    return False
+
+
+def extension_status() -> str:
+    """'loaded', or why the CUDA extension is not available."""
+    load_extension()
+    return _status.get("reason", "not tried")
+
+
+def _ops():
+    if not load_extension():
+        raise RuntimeError(f"hf_paged CUDA extension unavailable: {extension_status()}")
+    return torch.ops.hf_paged
+
+
+# ---- backend contract ------------------------------------------------------------------------------------
+def unavailable_reason(device: torch.device) -> str | None:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the CUDA kernels run on CUDA tensors only (tensors are on {device.type})"
+    status = extension_status()
+    return None if status == "loaded" else status
+
+
+def unsupported_reason(query, key_cache, metadata: AttentionMetadata, sliding_window, softcap) -> str | None:
+    if metadata.max_query_len != 1:
+        return (f"the CUDA kernel serves decode-only steps (max_query_len == 1); this step has prefills "
+                f"(max_query_len={metadata.max_query_len})")
+    if query.dtype not in DTYPES:
+        return f"the CUDA kernel takes float32 / float16 / bfloat16 queries, got {query.dtype}"
+    if key_cache.dtype != query.dtype:
+        return f"the CUDA kernel needs the KV cache in the query dtype ({key_cache.dtype} cache, {query.dtype} query)"
+    head_dim = query.shape[-1]
+    if head_dim not in HEAD_DIMS:
+        return f"the CUDA kernel is built for head_dim {HEAD_DIMS}, got {head_dim}"
+    if query.shape[1] % key_cache.shape[2]:
+        return f"query heads ({query.shape[1]}) must be a multiple of KV heads ({key_cache.shape[2]})"
+    if query.stride(-1) != 1 or key_cache.stride(-1) != 1:
+        return "the CUDA kernel needs a contiguous head_dim in query and cache"
+    return None
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    softcap: float | None = None, partition_size: int = 0) -> torch.Tensor:
+    """query [B, H, D] (one token per sequence) -> [B, H, D]. partition_size: 0 auto, -1 one pass, > 0 forced."""
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    _ops().paged_decode(out, query, key_cache, value_cache, _int32(metadata.block_tables),
+                        _int32(metadata.context_lens), int(metadata.max_context_len), float(scale),
+                        int(sliding_window or 0), float(softcap or 0.0), int(partition_size))
+    return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+
+
+# ---- other kernels ----------------------------------------------------------------------------------------
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' K/V ([T, H_kv, D], any row strides) into their flat slots of the NHD pages.
+    Negative slots are skipped."""
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    _ops().store_kv(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous())
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, block_dim: int = 2) -> None:
+    """dst[:, :, d] = src[:, :, s] for every pair, in one launch. src and dst may be one device storage
+    (copy-on-write) or a pinned host storage and a device storage (swap; the kernel reads / writes host memory
+    directly, however scattered the blocks). The copy is ordered on the current stream."""
+    pairs = torch.tensor([list(src_ids), list(dst_ids)], dtype=torch.int64).t().contiguous()
+    if len(pairs) == 0:
+        return
+    device = src.device if src.is_cuda else dst.device
+    _ops().copy_blocks(src, dst, pairs.pin_memory().to(device, non_blocking=True), block_dim)
+
+
+def decode_plan(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
+                sliding_window: int | None = None, partition_size: int = 0) -> tuple[int, int]:
+    """(partition size, partitions) the decode kernel would use; partition size 0 means one pass."""
+    size, count = _ops().plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, max_context_len,
+                                     int(sliding_window or 0), partition_size)
+    return int(size), int(count)
+
+
+if os.environ.get("HF_PAGED_BUILD_CUDA") == "1":
+    load_extension()
+
+
+if __name__ == "__main__":
+    print(f"hf_paged CUDA extension: {extension_status()}")

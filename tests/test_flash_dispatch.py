@@ -1,0 +1,392 @@
+"""The FlashAttention-3 / FlashAttention-2 / FlashInfer backends without the libraries or a GPU.
+
+Stand-in modules in sys.modules record the arguments each backend passes and compute the attention those arguments
+describe by the libraries' documented rules (float64): bottom-right causal mask, window (left, right) keeping keys
+in [pos - left, pos + right], FlashInfer's window_left, soft-capping cap * tanh(scale * s / cap), pages read
+through the page table / CSR page list. A wrong translation (window off by one, wrong context lengths, wrong page
+order) therefore shows up as a wrong output, not only as a wrong recorded value. The device checks are forced open.
+"""
+import importlib.machinery
+import sys
+import types
+
+import pytest
+import torch
+from test_attention import MIXED, make_case, reference
+
+from hf_paged.attention import paged_attention, why_not
+from hf_paged.attention.flash_backends import fa2, fa3, flashinfer
+from hf_paged.attention.metadata import AttentionMetadata
+
+DECODES = [(1, n) for n in (1, 15, 16, 17, 40, 3, 33)]
+TOL = dict(atol=2e-3, rtol=2e-3)  # fp16 outputs vs the float64 reference
+
+
+# ---- the libraries' semantics ----------------------------------------------------------------------------
+def library_attention(q, k, v, scale, causal, left, right, softcap):
+    """One sequence by a flash library's rules: q [Lq, H, D], k / v [Lk, H_kv, D]; query i sits at i + Lk - Lq;
+    left / right < 0 mean unlimited; softcap 0 means off."""
+    q_len, heads, _ = q.shape
+    k_len, kv_heads = k.shape[:2]
+    kk = k.double().repeat_interleave(heads // kv_heads, 1)
+    vv = v.double().repeat_interleave(heads // kv_heads, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    pos = torch.arange(q_len)[:, None] + k_len - q_len
+    key = torch.arange(k_len)[None, :]
+    allowed = torch.ones(q_len, k_len, dtype=torch.bool)
+    if causal:
+        allowed &= key <= pos
+    elif right >= 0:
+        allowed &= key <= pos + right
+    if left >= 0:
+        allowed &= key >= pos - left
+    out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vv)
+    return out.to(q.dtype)
+
+
+def pages_of(cache, page_ids, length):
+    return cache[page_ids.long()].reshape(-1, *cache.shape[2:])[:length]
+
+
+def check_half(t, name):
+    assert t.dtype in (torch.float16, torch.bfloat16), f"{name} dtype {t.dtype}"
+    assert t.stride(-1) == 1, f"{name} needs a contiguous last dim"
+
+
+def check_int32(t, name):
+    assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
+    assert t.is_contiguous(), f"{name} must be contiguous"
+
+
+# ---- stand-in modules (signatures as in the real libraries) ------------------------------------------------
+def stand_in(name):
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # importlib.util.find_spec works while installed
+    return module
+
+
+def fake_fa3(calls):
+    module = stand_in("flash_attn_interface")
+
+    def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                                cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                                cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                                q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                                window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                                scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                                return_softmax_lse=False):
+        calls.append(dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=cache_seqlens,
+                          page_table=page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                          softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap))
+        check_half(q, "q")
+        for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
+            check_int32(calls[-1][name], name)
+        assert q.is_contiguous() and q.dim() == 3 and max_seqlen_q is not None
+        page = k_cache.shape[1]
+        out = torch.empty_like(q)
+        cu = cu_seqlens_q.tolist()
+        for b, length in enumerate(cache_seqlens.tolist()):
+            ids = page_table[b, :-(-length // page)]
+            out[cu[b]:cu[b + 1]] = library_attention(q[cu[b]:cu[b + 1]], pages_of(k_cache, ids, length),
+                                                     pages_of(v_cache, ids, length), softmax_scale, causal,
+                                                     window_size[0], window_size[1], softcap)
+        return out
+
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    return module
+
+
+def fake_fa2(calls, version="2.7.4"):
+    module = stand_in("flash_attn")
+    module.__version__ = version
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                               deterministic=False, return_attn_probs=False, block_table=None):
+        calls.append(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                          max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+                          causal=causal, window_size=window_size, softcap=softcap, block_table=block_table,
+                          dropout_p=dropout_p))
+        check_half(q, "q")
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "block_table"):
+            check_int32(calls[-1][name], name)
+        page = k.shape[1]
+        assert page % 256 == 0, "Paged KV cache block size must be divisible by 256"  # FA2's own check
+        out = torch.empty_like(q)
+        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(cu_q) - 1):
+            length = cu_k[b + 1] - cu_k[b]
+            ids = block_table[b, :-(-length // page)]
+            out[cu_q[b]:cu_q[b + 1]] = library_attention(q[cu_q[b]:cu_q[b + 1]], pages_of(k, ids, length),
+                                                         pages_of(v, ids, length), softmax_scale, causal,
+                                                         window_size[0], window_size[1], softcap)
+        return out
+
+    module.flash_attn_varlen_func = flash_attn_varlen_func
+    return module
+
+
+def fake_flashinfer(calls):
+    module = stand_in("flashinfer")
+
+    class _Wrapper:
+        def __init__(self, float_workspace_buffer, kv_layout="NHD", **options):
+            assert kv_layout == "NHD"
+            calls.append(("init", type(self).__name__, options))
+            self.plan_args = None
+
+        def _planned(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, page_size,
+                     causal, window_left, logits_soft_cap, sm_scale):
+            for name, t in (("qo_indptr", qo_indptr), ("paged_kv_indptr", kv_indptr),
+                            ("paged_kv_indices", kv_indices), ("paged_kv_last_page_len", last_page_len)):
+                check_int32(t, name)
+            assert bool(((last_page_len >= 1) & (last_page_len <= page_size)).all())
+            self.plan_args = (qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads,
+                              page_size, causal, window_left, logits_soft_cap, sm_scale)
+
+        def run(self, q, paged_kv_cache, *args, **kwargs):
+            calls.append(("run", type(self).__name__, q))
+            check_half(q, "q")
+            k_cache, v_cache = paged_kv_cache
+            qo, kv_indptr, indices, last, heads, kv_heads, page, causal, left, cap, scale = self.plan_args
+            assert q.shape[1] == heads and k_cache.shape[2] == kv_heads and k_cache.shape[1] == page
+            out = torch.empty_like(q)
+            qo, kv_indptr, last = qo.tolist(), kv_indptr.tolist(), last.tolist()
+            for b in range(len(qo) - 1):
+                ids = indices[kv_indptr[b]:kv_indptr[b + 1]]
+                length = (len(ids) - 1) * page + last[b]
+                out[qo[b]:qo[b + 1]] = library_attention(q[qo[b]:qo[b + 1]], pages_of(k_cache, ids, length),
+                                                         pages_of(v_cache, ids, length), scale, causal, left, -1,
+                                                         cap or 0.0)
+            return out
+
+    class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+        def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                 num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
+                 causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+                 logits_soft_cap=None, rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None,
+                 non_blocking=True):
+            calls.append(("plan", "prefill", dict(window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                                  sm_scale=sm_scale, causal=causal, q_data_type=q_data_type,
+                                                  kv_data_type=kv_data_type, pos_encoding_mode=pos_encoding_mode,
+                                                  qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
+                                                  paged_kv_indices=paged_kv_indices,
+                                                  paged_kv_last_page_len=paged_kv_last_page_len)))
+            self._planned(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                          num_kv_heads, page_size, causal, window_left, logits_soft_cap, sm_scale)
+
+    class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+        def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                 pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
+                 kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None, rope_theta=None,
+                 non_blocking=True):
+            calls.append(("plan", "decode", dict(window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                                 sm_scale=sm_scale, q_data_type=q_data_type,
+                                                 kv_data_type=kv_data_type, paged_kv_indptr=indptr,
+                                                 paged_kv_indices=indices, paged_kv_last_page_len=last_page_len)))
+            qo = torch.arange(len(indptr), dtype=torch.int32)  # one query per sequence
+            self._planned(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, page_size, True,
+                          window_left, logits_soft_cap, sm_scale)
+
+    module.BatchPrefillWithPagedKVCacheWrapper = BatchPrefillWithPagedKVCacheWrapper
+    module.BatchDecodeWithPagedKVCacheWrapper = BatchDecodeWithPagedKVCacheWrapper
+    return module
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """installed(name) puts a recording stand-in for library `name` in sys.modules and opens its device check."""
+    def install(name):
+        calls = []
+        if name == "flash3":
+            monkeypatch.setitem(sys.modules, "flash_attn_interface", fake_fa3(calls))
+            monkeypatch.setattr(fa3, "cuda_device_reason", lambda *a, **k: None)
+        elif name == "flash2":
+            monkeypatch.setitem(sys.modules, "flash_attn", fake_fa2(calls))
+            monkeypatch.setattr(fa2, "cuda_device_reason", lambda *a, **k: None)
+        else:
+            monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(calls))
+            monkeypatch.setattr(flashinfer, "cuda_device_reason", lambda *a, **k: None)
+            monkeypatch.setattr(flashinfer, "WORKSPACE_BYTES", 1024)
+            monkeypatch.setattr(flashinfer, "_wrappers", {})
+            monkeypatch.setattr(flashinfer, "_workspaces", {})
+        return calls
+    return install
+
+
+def run_case(backend, seqs, block_size, window=None, softcap=None, heads=8, kv_heads=2, head_dim=64, seed=0,
+             dtype=torch.float16, transposed=True):
+    """Runs `backend` through hf_paged.attention.paged_attention and returns (output, float64 reference, case)."""
+    query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, heads, kv_heads, head_dim, block_size, dtype, seed)
+    if transposed:  # as transformers hands it over: [1, H, T, D] transposed to [T, H, D] (not contiguous)
+        query = query.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not query.is_contiguous()
+    out = paged_attention(query, kc, vc, cu, ctx, tables, scale=0.125, sliding_window=window, softcap=softcap,
+                          backend=backend)
+    ref = reference(query, keys, values, [q for q, _ in seqs], 0.125, window, softcap)
+    return out, ref, (query, kc, vc, cu, ctx, tables)
+
+
+WINDOW_SOFTCAP = [(None, None), (7, None), (None, 5.0), (12, 3.0)]
+
+
+# ---- FlashAttention-3 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window, softcap", WINDOW_SOFTCAP)
+@pytest.mark.parametrize("seqs", [MIXED, DECODES], ids=["mixed", "decode"])
+def test_fa3_arguments_and_output(installed, seqs, window, softcap):
+    calls = installed("flash3")
+    out, ref, (query, kc, vc, cu, ctx, tables) = run_case("flash3", seqs, 16, window, softcap)
+    torch.testing.assert_close(out.double(), ref, **TOL)
+    (call,) = calls
+    assert call["q"].shape == query.shape and call["q"].is_contiguous()
+    assert call["k_cache"] is kc and call["v_cache"] is vc  # the pages, read in place
+    assert call["k"] is None and call["v"] is None  # the new tokens are already stored
+    assert torch.equal(call["cache_seqlens"], ctx) and torch.equal(call["cu_seqlens_q"], cu)
+    assert torch.equal(call["page_table"], tables)
+    assert call["max_seqlen_q"] == max(q for q, _ in seqs)
+    assert call["causal"] is True and call["softmax_scale"] == 0.125
+    assert call["window_size"] == ((window - 1, 0) if window else (-1, -1))
+    assert call["softcap"] == (softcap or 0.0) and isinstance(call["softcap"], float)
+
+
+def test_fa3_takes_any_page_size_and_mqa(installed):
+    installed("flash3")
+    for block_size in (1, 8, 128):
+        out, ref, _ = run_case("flash3", MIXED, block_size, heads=8, kv_heads=1, seed=block_size)
+        torch.testing.assert_close(out.double(), ref, **TOL)
+
+
+def test_fa3_arguments_are_a_pure_function():
+    query, kc, vc, cu, ctx, tables, *_ = make_case(DECODES, 4, 2, 64, 16, torch.bfloat16, seed=1)
+    meta = AttentionMetadata.build([1] * len(DECODES), ctx.tolist(), tables.tolist(), [0] * len(DECODES), 16, "cpu")
+    args = fa3.fa3_arguments(query, kc, vc, meta, 0.5, 4096, None)
+    assert args["window_size"] == (4095, 0) and args["softcap"] == 0.0 and args["max_seqlen_q"] == 1
+    assert fa3.fa3_arguments(query, kc, vc, meta, 0.5, None, 2.0)["window_size"] == (-1, -1)
+
+
+# ---- FlashAttention-2 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window, softcap", WINDOW_SOFTCAP)
+def test_fa2_arguments_and_output(installed, window, softcap):
+    calls = installed("flash2")
+    seqs = [(1, 300), (9, 9), (5, 600), (1, 1), (40, 513)]
+    out, ref, (query, kc, vc, cu, ctx, tables) = run_case("flash2", seqs, 256, window, softcap, head_dim=32)
+    torch.testing.assert_close(out.double(), ref, **TOL)
+    (call,) = calls
+    assert call["q"].is_contiguous() and call["k"] is kc and call["v"] is vc
+    assert call["cu_seqlens_k"].tolist() == [0, 300, 309, 909, 910, 1423]
+    assert torch.equal(call["cu_seqlens_q"], cu) and torch.equal(call["block_table"], tables)
+    assert call["max_seqlen_q"] == 40 and call["max_seqlen_k"] == 600
+    assert call["causal"] is True and call["dropout_p"] == 0.0
+    assert call["window_size"] == ((window - 1, 0) if window else (-1, -1))
+    assert call["softcap"] == (softcap or 0.0)
+
+
+def test_fa2_rejects_pages_that_are_not_multiples_of_256(installed):
+    calls = installed("flash2")
+    query, kc, vc, cu, ctx, tables, *_ = make_case(MIXED, 8, 2, 64, 16, torch.float16, seed=0)
+    meta = AttentionMetadata.build([1], [1], [[0]], [0], 16, "cpu")
+    reason = why_not("flash2", query, kc, meta, None, None)
+    assert reason is not None and "multiples of 256" in reason and "block_size=16" in reason
+    with pytest.raises(ValueError, match="multiples of 256"):
+        paged_attention(query, kc, vc, cu, ctx, tables, backend="flash2")
+    assert calls == []  # never reached the library
+    query, kc, *_ = make_case([(1, 4)], 8, 2, 64, 256, torch.float16, seed=0)
+    assert why_not("flash2", query, kc, AttentionMetadata.build([1], [4], [[0]], [3], 256, "cpu"), None, None) is None
+
+
+def test_fa2_version_and_package_rules(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_fa2([], version="2.5.9"))
+    assert "too old" in fa2.unavailable_reason(torch.device("cuda"))
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
+    assert "pip install flash-attn" in fa2.unavailable_reason(torch.device("cuda"))
+
+
+# ---- FlashInfer --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window, softcap", WINDOW_SOFTCAP)
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+def test_flashinfer_prefill_wrapper_for_mixed_steps(installed, block_size, window, softcap):
+    calls = installed("flashinfer")
+    out, ref, (query, kc, vc, cu, ctx, tables) = run_case("flashinfer", MIXED, block_size, window, softcap,
+                                                          seed=block_size)
+    torch.testing.assert_close(out.double(), ref, **TOL)
+    inits = [c for c in calls if c[0] == "init"]
+    plans = [c for c in calls if c[0] == "plan"]
+    assert [c[1] for c in inits] == ["BatchPrefillWithPagedKVCacheWrapper"] and [c[1] for c in plans] == ["prefill"]
+    plan = plans[0][2]
+    assert plan["causal"] is True and plan["pos_encoding_mode"] == "NONE" and plan["sm_scale"] == 0.125
+    assert plan["window_left"] == (window - 1 if window else -1)
+    assert plan["logits_soft_cap"] == (softcap or 0.0)
+    assert plan["q_data_type"] == torch.float16 and plan["kv_data_type"] == torch.float16
+    assert torch.equal(plan["qo_indptr"], cu)
+    pages = [-(-c // block_size) for c in ctx.tolist()]
+    assert plan["paged_kv_indptr"].tolist() == [sum(pages[:i]) for i in range(len(pages) + 1)]
+    assert plan["paged_kv_indices"].tolist() == [t for row, n in zip(tables.tolist(), pages) for t in row[:n]]
+    assert plan["paged_kv_last_page_len"].tolist() == [c - (n - 1) * block_size for c, n in zip(ctx.tolist(), pages)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, tensor_cores", [(8, 2, False), (16, 2, True), (8, 8, False), (8, 1, True)])
+def test_flashinfer_decode_wrapper_for_decode_steps(installed, heads, kv_heads, tensor_cores):
+    calls = installed("flashinfer")
+    out, ref, _ = run_case("flashinfer", DECODES, 16, 9, None, heads=heads, kv_heads=kv_heads)
+    torch.testing.assert_close(out.double(), ref, **TOL)
+    (init,) = [c for c in calls if c[0] == "init"]
+    assert init[1] == "BatchDecodeWithPagedKVCacheWrapper" and init[2] == {"use_tensor_cores": tensor_cores}
+    (plan,) = [c for c in calls if c[0] == "plan"]
+    assert plan[1] == "decode" and plan[2]["window_left"] == 8
+
+
+def test_flashinfer_plans_once_per_step_and_configuration(installed):
+    calls = installed("flashinfer")
+    query, kc, vc, cu, ctx, tables, keys, values = make_case(MIXED, 8, 2, 64, 16, torch.bfloat16, seed=4)
+    qlens = [q for q, _ in MIXED]
+    slots = [t[p // 16] * 16 + p % 16 for t, (q, c) in zip(tables.tolist(), MIXED) for p in range(c - q, c)]
+    meta = AttentionMetadata.build(qlens, ctx.tolist(), tables.tolist(), slots, 16, "cpu")
+    for layer in range(4):  # Gemma-2 style: sliding and global layers alternate within one step
+        window = 8 if layer % 2 else None
+        out = flashinfer.paged_attention(query, kc, vc, meta, 0.125, window, 2.0)
+        ref = reference(query, keys, values, qlens, 0.125, window, 2.0)
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    assert sum(c[0] == "plan" for c in calls) == 2 and sum(c[0] == "run" for c in calls) == 4
+    assert sum(c[0] == "init" for c in calls) == 2  # one wrapper per configuration, kept across steps
+    meta2 = AttentionMetadata.build(qlens, ctx.tolist(), tables.tolist(), slots, 16, "cpu")
+    flashinfer.paged_attention(query, kc, vc, meta2, 0.125, None, 2.0)  # next step: planned again
+    assert sum(c[0] == "plan" for c in calls) == 3 and sum(c[0] == "init" for c in calls) == 2
+
+
+# ---- shared rules ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["flash3", "flash2", "flashinfer"])
+def test_float32_and_odd_head_dims_are_unsupported(installed, name):
+    installed(name)
+    block = 256 if name == "flash2" else 16
+    query, kc, *_ = make_case([(1, 4)], 8, 2, 64, block, torch.float32, seed=0)
+    meta = AttentionMetadata.build([1], [4], [[0]], [3], block, "cpu")
+    assert "float16 / bfloat16" in why_not(name, query, kc, meta, None, None)
+    query, kc, *_ = make_case([(1, 4)], 8, 2, 36, block, torch.float16, seed=0)
+    assert "head_dim" in why_not(name, query, kc, meta, None, None)
+    query, kc, *_ = make_case([(1, 4)], 8, 2, 64, block, torch.float16, seed=0)
+    assert why_not(name, query, kc, meta, None, None) is None
+    assert "KV cache" in why_not(name, query, kc.to(torch.bfloat16), meta, None, None)
+
+
+@pytest.mark.parametrize("name, module, package", [("flash3", fa3, "flash_attn_interface"),
+                                                   ("flash2", fa2, "flash_attn"),
+                                                   ("flashinfer", flashinfer, "flashinfer")])
+def test_unavailable_reasons(monkeypatch, name, module, package):
+    for other in fa3.PACKAGES:
+        monkeypatch.setitem(sys.modules, other, None)
+    monkeypatch.setitem(sys.modules, package, None)
+    assert "not installed" in module.unavailable_reason(torch.device("cuda"))
+    fake = {"flash3": fake_fa3, "flash2": fake_fa2, "flashinfer": fake_flashinfer}[name]([])
+    monkeypatch.setitem(sys.modules, package, fake)
+    assert "CUDA" in module.unavailable_reason(torch.device("cpu"))
+    if torch.cuda.is_available():
+        return
+    assert "CUDA" in module.unavailable_reason(torch.device("cuda"))  # no device here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    ampere = module.unavailable_reason(torch.device("cuda"))
+    assert (ampere is not None and "8.0" in ampere) if name == "flash3" else ampere is None  # FA3 is Hopper-only
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert module.unavailable_reason(torch.device("cuda")) is None

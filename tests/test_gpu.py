@@ -1,0 +1,171 @@
+"""GPU checks (`pytest -m gpu`; skipped without CUDA): every available attention backend on CUDA against the float64
+reference, the CUDA extension's build and kernels (decode variants, store, block copies and host <-> device swaps),
+and the engine's tokens with "auto" against the torch backend.
+
+A backend that is not installed is skipped with its reason; the CUDA extension must build wherever its
+prerequisites (CUDA torch, nvcc, ninja) are present.
+"""
+import pytest
+import torch
+from test_attention import MIXED, make_case, reference
+
+from hf_paged.attention import AttentionMetadata, cuda_backend, dispatch, paged_attention, store_kv, why_not
+from hf_paged.kv.swap import copy_blocks as torch_copy_blocks
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BACKENDS = ["cuda", "flash3", "flash2", "flashinfer", "triton", "torch"]
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+DECODES = [(1, n) for n in (1, 15, 16, 17, 100, 257, 64, 3, 700, 33, 1500)]
+
+
+def cuda_case(seqs, heads, kv_heads, head_dim, block_size, dtype, seed):
+    query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, heads, kv_heads, head_dim, block_size, dtype, seed)
+    return [t.cuda() for t in (query, kc, vc, cu, ctx, tables)], keys, values
+
+
+def metadata_for(seqs, ctx, tables, block_size):
+    qlens = [q for q, _ in seqs]
+    rows = tables.tolist()
+    slots = [rows[b][p // block_size] * block_size + p % block_size
+             for b, (q, c) in enumerate(seqs) for p in range(c - q, c)]
+    return AttentionMetadata.build(qlens, ctx.tolist(), rows, slots, block_size, torch.device("cuda"))
+
+
+def test_cuda_extension_builds():
+    missing = cuda_backend.prerequisites_missing()
+    if missing is not None:
+        pytest.skip(f"cannot build here: {missing}")
+    assert cuda_backend.extension_status() == "loaded"
+
+
+@pytest.mark.parametrize("window, softcap", [(None, None), (37, None), (None, 20.0), (50, 5.0)])
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (8, 1), (8, 8), (12, 2)])  # GQA 4, MQA, MHA, GQA 6
+@pytest.mark.parametrize("kind", ["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backend_matches_float64(backend, dtype, kind, heads, kv_heads, window, softcap):
+    unavailable = dispatch._module(backend).unavailable_reason(torch.device("cuda"))
+    if unavailable is not None:
+        pytest.skip(f"{backend}: {unavailable}")
+    seqs = MIXED if kind == "mixed" else DECODES
+    block_size = 256 if backend == "flash2" else 16
+    (query, kc, vc, cu, ctx, tables), keys, values = cuda_case(seqs, heads, kv_heads, 128, block_size, dtype,
+                                                               seed=heads + kv_heads)
+    meta = metadata_for(seqs, ctx, tables, block_size)
+    reason = why_not(backend, query, kc, meta, window, softcap)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    hf_query = query.transpose(0, 1).contiguous().transpose(0, 1)  # the strides transformers hands over
+    out = paged_attention(hf_query, kc, vc, metadata=meta, scale=128 ** -0.5, sliding_window=window, softcap=softcap,
+                          backend=backend)
+    assert out.dtype == dtype and out.shape == query.shape
+    ref = reference(query.cpu(), keys, values, [q for q, _ in seqs], 128 ** -0.5, window, softcap)
+    # libraries may soft-cap with tanh.approx (relative error ~5e-4 of each capped logit)
+    tol = max(TOL[dtype], 6e-3) if softcap and backend != "cuda" else TOL[dtype]
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 4), (6, 2), (16, 4), (24, 3), (32, 2)])  # groups 1-16
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_cuda_decode_kernel_variants(dtype, head_dim, heads, kv_heads):
+    if cuda_backend.unavailable_reason(torch.device("cuda")):
+        pytest.skip(cuda_backend.extension_status())
+    for block_size, window, softcap in ((16, None, None), (7, 100, None), (32, 300, 10.0)):  # 7: not a power of two
+        (query, kc, vc, cu, ctx, tables), keys, values = cuda_case(DECODES, heads, kv_heads, head_dim, block_size,
+                                                                   dtype, seed=head_dim + heads + block_size)
+        meta = metadata_for(DECODES, ctx, tables, block_size)
+        ref = reference(query.cpu(), keys, values, [1] * len(DECODES), 0.1, window, softcap)
+        for partition_size in (-1, 0, 64):  # one pass, automatic, forced split + reduce
+            out = cuda_backend.paged_attention(query, kc, vc, meta, 0.1, window, softcap, partition_size=partition_size)
+            where = f"block {block_size} window {window} softcap {softcap} partitions {partition_size}"
+            torch.testing.assert_close(out.double().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype],
+                                       msg=lambda m, where=where: f"{where}: {m}")
+
+
+def test_cuda_decode_plan():
+    if cuda_backend.unavailable_reason(torch.device("cuda")):
+        pytest.skip(cuda_backend.extension_status())
+    assert cuda_backend.decode_plan(64, 32, 8, 128, 100) == (0, 1)  # short: one pass
+    size, count = cuda_backend.decode_plan(1, 32, 8, 128, 32768)  # one long sequence: split over the SMs
+    assert size > 0 and count == -(-32768 // size)
+    assert cuda_backend.decode_plan(1, 32, 8, 128, 32768, sliding_window=1000)[1] == -(-1000 // size)
+    assert cuda_backend.decode_plan(4, 32, 8, 128, 1000, partition_size=100) == (100, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_store_kv_matches_torch(dtype):
+    if cuda_backend.unavailable_reason(torch.device("cuda")):
+        pytest.skip(cuda_backend.extension_status())
+    gen = torch.Generator().manual_seed(0)
+    blocks, block_size, kv_heads, head_dim, tokens = 20, 16, 4, 128, 50
+    key = torch.randn(1, kv_heads, tokens, head_dim, generator=gen).to(dtype).cuda()[0].transpose(0, 1)  # HF strides
+    value = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens].cuda()
+    expected_k = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype, device="cuda")
+    expected_v = torch.zeros_like(expected_k)
+    store_kv(key, value, expected_k, expected_v, slots)
+    k_cache, v_cache = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
+    cuda_backend.store_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    skipped = slots.clone()
+    skipped[::2] = -1  # padding rows are not written
+    k_cache.zero_(), v_cache.zero_()
+    cuda_backend.store_kv(key, value, k_cache, v_cache, skipped)
+    assert int((k_cache != 0).any(-1).sum()) == tokens // 2 * kv_heads
+
+
+def test_cuda_copy_blocks_on_device_and_swaps_through_pinned_memory():
+    if cuda_backend.unavailable_reason(torch.device("cuda")):
+        pytest.skip(cuda_backend.extension_status())
+    shape = (3, 2, 32, 16, 2, 64)  # [layers, 2, blocks, block_size, H_kv, D]
+    device = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+    src, dst = [3, 4, 5, 9, 0], [10, 11, 12, 1, 31]
+    expected = device.clone()
+    torch_copy_blocks(expected, expected, src, dst)
+    cuda_backend.copy_blocks(device, device, src, dst)
+    assert torch.equal(device, expected)
+    host = torch.zeros((3, 2, 40, 16, 2, 64), dtype=torch.bfloat16, pin_memory=True)
+    host_ids = [7, 8, 9, 39, 2]
+    cuda_backend.copy_blocks(device, host, src, host_ids)  # swap out: one launch writing pinned host memory
+    torch.cuda.synchronize()
+    assert torch.equal(host[:, :, host_ids], device[:, :, src].cpu())
+    back = torch.zeros_like(device)
+    cuda_backend.copy_blocks(host, back, host_ids, dst)  # swap in
+    torch.cuda.synchronize()
+    assert torch.equal(back[:, :, dst], device[:, :, src])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_engine_auto_backend_matches_torch_backend(monkeypatch, dtype):
+    """Greedy tokens with attention_backend="auto" (the fastest available per step) equal the torch backend's:
+    all of them in fp32; in bf16 (kernels round differently) every row's first tokens and most rows entirely."""
+    import hf_paged
+    from hf_paged.tiny import tiny_model
+
+    model = tiny_model("llama", hidden=256, layers=2, heads=8, kv_heads=2, vocab_size=512, dtype=dtype).cuda()
+    chosen = []
+    original = dispatch.select
+
+    def spy(backend, *args, **kwargs):
+        module = original(backend, *args, **kwargs)
+        chosen.append(module.__name__.rsplit(".", 1)[-1])
+        return module
+
+    monkeypatch.setattr(dispatch, "select", spy)
+    monkeypatch.setattr("hf_paged.attention.select", spy, raising=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 17, 90, 3, 64)]
+    params = hf_paged.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "auto"):
+        llm = hf_paged.LLM(model, block_size=16, num_blocks=128, attention_backend=backend)
+        outputs[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    print(f"\nauto chose: {sorted(set(chosen))}")
+    if dtype == torch.float32:
+        assert outputs["auto"] == outputs["torch"]
+    else:
+        assert [row[:4] for row in outputs["auto"]] == [row[:4] for row in outputs["torch"]]
+        assert sum(a == b for a, b in zip(outputs["auto"], outputs["torch"])) >= len(prompts) - 2

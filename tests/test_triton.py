@@ -326,3 +326,19 @@ def test_sm90_compile_all_variant_classes(tmp_path):
         print(f"{r['config']}: regs {r['regs']} stack {r['stack']} shared {r['shared']}")
         assert r["ptx"] and r["cubin"] > 0, r
         assert r["shared"] <= 232448, r
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_engine_greedy_parity_with_triton_backend(arch):
+    """The whole engine on the Triton kernels (interpreted on CPU) gives HF generate's tokens."""
+    if DEVICE.type != "cpu":
+        pytest.skip("covered on GPU by tests/test_gpu.py")
+    from conftest import left_padded_batch
+    from hf_paged.tiny import tiny_model
+
+    model = tiny_model(arch)
+    ids, mask = left_padded_batch([5, 12, 9], seed=4)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="paged",
+                         cache_config={"attention_backend": "triton", "block_size": 8, "max_num_batched_tokens": 16})
+    assert torch.equal(out, ref)

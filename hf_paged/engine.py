@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import torch
 
 from .config import EngineConfig, default_kv_cache_bytes, default_swap_bytes, logger
+from .attention.dispatch import unavailable
 from .integrations.model_spec import describe_model
 from .kv import KVCache, KVCacheManager, blocks_needed, choose_num_blocks
 from .kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
@@ -42,6 +43,10 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = describe_model(model)
+        reason = unavailable(self.config.attention_backend, self.spec.kv.device)
+        if reason is not None:
+            raise ValueError(f"attention_backend {self.config.attention_backend!r} cannot run on "
+                             f"{self.spec.kv.device}: {reason}")
         if self.config.kv_cache_dtype == "fp8_e4m3":
             self.spec.kv.dtype = torch.float8_e4m3fn
         self.max_model_len = self.config.max_model_len or self.spec.max_model_len

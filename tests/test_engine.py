@@ -185,3 +185,8 @@ def test_fp8_kv_cache_quarter_memory_and_close_outputs(llama):
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     assert same >= 0.75 * sum(map(len, a)), (a, b)
     fp8.engine.check_idle()
+
+
+def test_unavailable_attention_backend_is_refused_up_front(llama):
+    with pytest.raises(ValueError, match="attention_backend 'flash3' cannot run on cpu"):
+        LLM(llama, attention_backend="flash3")

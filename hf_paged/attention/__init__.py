@@ -14,7 +14,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor | None = None, *, scale: float | None = None,
                     sliding_window: int | None = None, softcap: float | None = None, backend: str = "auto",
                     metadata: AttentionMetadata | None = None, key: torch.Tensor | None = None,
-                    value: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                    value: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
+                    strict: bool = True) -> torch.Tensor:
     """Causal attention of packed queries [T, H, D] over paged caches [num_blocks, block_size, H_kv, D].
 
     Either pass a prebuilt `metadata` (the engine does, once per step) or the raw varlen tensors.
@@ -23,6 +24,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     and block size (on CPU: torch plus the native decode kernel); asking for one that cannot run is an error.
     `key` / `value` (the new tokens' K/V, [T, H_kv, D], already stored) let the torch backend skip re-reading pages.
     `kv_scales`: (k_scale, v_scale) of an fp8 cache (stored = value / scale).
+    `strict=False`: a named backend that does not cover this particular call gives way to "auto".
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
@@ -39,7 +41,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         slots = [table[p // block_size] * block_size + p % block_size
                  for table, q, c in zip(tables, query_lens, contexts) for p in range(c - q, c)]
         metadata = AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, query.device)
-    module = select(backend, query, key_cache, metadata, sliding_window, softcap)
+    module = select(backend, query, key_cache, metadata, sliding_window, softcap, strict)
     if module.__name__.endswith("torch_backend"):
         return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key,
                                      value, native_decode=backend == "auto", kv_scales=kv_scales)

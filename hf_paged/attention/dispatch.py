@@ -52,17 +52,30 @@ def why_not(name: str, query: torch.Tensor, key_cache: torch.Tensor, metadata: A
     return reason
 
 
+def unavailable(backend: str, device: torch.device) -> str | None:
+    """Why `backend` cannot run on `device` at all (None: it can, for some calls)."""
+    if backend not in BACKENDS:
+        return f"unknown attention backend {backend!r}; choose from {BACKENDS}"
+    return None if backend == "auto" else _module(backend).unavailable_reason(device)
+
+
 def select(backend: str, query: torch.Tensor, key_cache: torch.Tensor, metadata: AttentionMetadata,
-           sliding_window: int | None, softcap: float | None):
-    """The backend module to run. An explicitly requested backend that cannot run is a clear error;
-    "auto" falls back along AUTO_ORDER."""
+           sliding_window: int | None, softcap: float | None, strict: bool = True):
+    """The backend module to run. An explicitly requested backend that cannot run is a clear error; with
+    `strict=False` (the engine) a backend that is available but does not cover this call (e.g. a decode-only
+    kernel on a step with prefills) gives way to "auto" for this call. "auto" falls back along AUTO_ORDER."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
     if backend != "auto":
-        reason = why_not(backend, query, key_cache, metadata, sliding_window, softcap)
-        if reason is not None:
-            raise ValueError(f"attention backend {backend!r} is not available here: {reason}")
-        return _module(backend)
+        module = _module(backend)
+        reason = module.unavailable_reason(query.device)
+        if reason is None:
+            reason = module.unsupported_reason(query, key_cache, metadata, sliding_window, softcap)
+            if reason is None:
+                return module
+            if not strict:
+                return select("auto", query, key_cache, metadata, sliding_window, softcap)
+        raise ValueError(f"attention backend {backend!r} is not available here: {reason}")
     if query.device.type == "cpu":
         return _module("torch")
     for name in AUTO_ORDER:

@@ -36,7 +36,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping, *scales)
     out = paged_attention(q, cache.key_caches[layer], cache.value_caches[layer], metadata=meta, scale=scaling,
                           sliding_window=sliding_window, softcap=softcap, backend=paged_context.backend,
-                          key=k, value=v, kv_scales=scales)
+                          key=k, value=v, kv_scales=scales, strict=False)
     return out[None], None
 
 

@@ -55,7 +55,7 @@ from itertools import pairwise
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
+from common import (add_common_args, emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
                     save_figure, set_threads, write_json)
 
 MODES = ("chunked", "unchunked")
@@ -217,13 +217,7 @@ def main() -> int:
                                                                 "long prompt's arrival")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--repeats", type=int, default=1, help="measured runs per mode (one process each)")
-    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "chunked.json"))
-    parser.add_argument("--plot", nargs="?", const="", default=None,
-                        help="write a PNG of decoder ITL over time (default: next to the JSON)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
-    parser.add_argument("--small", action="store_true", help="tiny model and sizes, for a quick smoke test")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per worker")
-    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    add_common_args(parser, "chunked", MODES, plot_help="decoder ITL over time")
     args = parser.parse_args()
     setup = SMALL if args.small else FULL
     args.budget = args.budget or setup["budget"]

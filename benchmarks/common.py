@@ -118,3 +118,18 @@ def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot written to {path}")
+
+
+def add_common_args(parser, name: str, workers, plot_help: str | None = None, timeout: float = 1800) -> None:
+    """The flags every benchmark shares: --json, --plot (when it draws one), --threads, --small, --timeout and the
+    hidden --worker that marks a subprocess."""
+    import argparse
+
+    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / f"{name}.json"))
+    if plot_help is not None:
+        parser.add_argument("--plot", nargs="?", const="", default=None,
+                            help=f"write a PNG of {plot_help} (default: next to the JSON)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+    parser.add_argument("--small", action="store_true", help="tiny model and sizes, for a quick smoke test")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds allowed per worker")
+    parser.add_argument("--worker", choices=tuple(workers), help=argparse.SUPPRESS)

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
+from common import (add_common_args, emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
                     save_figure, set_threads, write_json)
 
 DISTS = ("loguniform", "uniform")
@@ -241,13 +241,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=None, help="requests in the workload (default 160; small 48)")
     parser.add_argument("--dists", nargs="+", choices=DISTS, default=list(DISTS), help="prompt-length spreads")
     parser.add_argument("--no-measure-hf", action="store_true", help="skip the HF generate cache measurement")
-    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "memory.json"))
-    parser.add_argument("--plot", nargs="?", const="", default=None,
-                        help="write a PNG of running sequences per step (default: next to the JSON)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
-    parser.add_argument("--small", action="store_true", help="tiny model and sizes, for a quick smoke test")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker")
-    parser.add_argument("--worker", choices=("hf_paged", "hf_padded"), help=argparse.SUPPRESS)
+    add_common_args(parser, "memory", ("hf_paged", "hf_padded"), plot_help="running sequences per step", timeout=3600)
     parser.add_argument("--dist", choices=DISTS, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()

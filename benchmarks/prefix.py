@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
+from common import (add_common_args, emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
                     save_figure, set_threads, write_json)
 
 MODES = ("reuse", "no_reuse")
@@ -200,13 +200,7 @@ def main() -> int:
                         help="max_num_batched_tokens (default 4096, the engine default; small 1024)")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "prefix.json"))
-    parser.add_argument("--plot", nargs="?", const="", default=None,
-                        help="write a PNG of the TTFT distributions (default: next to the JSON)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
-    parser.add_argument("--small", action="store_true", help="tiny model and sizes, for a quick smoke test")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per worker")
-    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    add_common_args(parser, "prefix", MODES, plot_help="the TTFT distributions")
     parser.add_argument("--scenario", choices=SCENARIOS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     setup = SMALL if args.small else FULL

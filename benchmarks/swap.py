@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
+from common import (add_common_args, emit_result, format_table, machine_info, pyplot, run_worker,  # noqa: E402
                     save_figure, set_threads, write_json)
 
 MODES = ("reference", "recompute", "swap", "auto")
@@ -199,13 +199,7 @@ def main() -> int:
     parser.add_argument("--swap-factor", type=int, default=2, help="swap_space = this x the pool's bytes")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="enable_prefix_caching=False (recompute then re-runs every dropped token)")
-    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "swap.json"))
-    parser.add_argument("--plot", nargs="?", const="", default=None,
-                        help="write a PNG of running requests and tokens per step (default: next to the JSON)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
-    parser.add_argument("--small", action="store_true", help="tiny model and sizes, for a quick smoke test")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per worker")
-    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    add_common_args(parser, "swap", MODES, plot_help="running requests and tokens per step")
     args = parser.parse_args()
     setup = SMALL if args.small else FULL
     if not 0 < args.pool_fraction <= 1:

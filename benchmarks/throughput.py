@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (emit_result, format_table, machine_info, matmul_gflops, peak_rss_mb,  # noqa: E402
+from common import (add_common_args, emit_result, format_table, machine_info, matmul_gflops, peak_rss_mb,  # noqa: E402
                     run_worker, set_threads, write_json)
 
 SYSTEMS = ("hf_paged", "hf_padded", "hf_generate_batch")
@@ -130,11 +130,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS + EXTRA, default=list(SYSTEMS))
-    parser.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "throughput.json"))
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
-    parser.add_argument("--small", action="store_true", help="tiny model and sizes, for a quick smoke test")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker")
-    parser.add_argument("--worker", choices=(*SYSTEMS, *EXTRA, "matmul"), help=argparse.SUPPRESS)
+    add_common_args(parser, "throughput", (*SYSTEMS, *EXTRA, "matmul"), timeout=3600)
     args = parser.parse_args()
     setup = SMALL if args.small else FULL
     args.requests = args.requests or setup["requests"]

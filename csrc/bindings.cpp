@@ -44,6 +44,17 @@ std::vector<int64_t> plan_decode(int64_t num_seqs, int64_t num_heads, int64_t nu
   return {plan.partition_size, plan.max_partitions};
 }
 
+// Page strides of the K and V caches, shared by every kernel's parameter struct.
+template <typename Params>
+void set_cache_strides(Params& p, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  p.k_block_stride = key_cache.stride(0);
+  p.k_token_stride = key_cache.stride(1);
+  p.k_head_stride = key_cache.stride(2);
+  p.v_block_stride = value_cache.stride(0);
+  p.v_token_stride = value_cache.stride(1);
+  p.v_head_stride = value_cache.stride(2);
+}
+
 void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                   const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
                   int64_t max_context_len, double scale, int64_t window, double softcap, int64_t partition_size) {
@@ -96,12 +107,7 @@ void paged_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& ke
   p.context_lens = context_lens.data_ptr<int32_t>();
   p.q_seq_stride = query.stride(0);
   p.q_head_stride = query.stride(1);
-  p.k_block_stride = key_cache.stride(0);
-  p.k_token_stride = key_cache.stride(1);
-  p.k_head_stride = key_cache.stride(2);
-  p.v_block_stride = value_cache.stride(0);
-  p.v_token_stride = value_cache.stride(1);
-  p.v_head_stride = value_cache.stride(2);
+  set_cache_strides(p, key_cache, value_cache);
   p.num_seqs = num_seqs;
   p.num_heads = num_heads;
   p.num_kv_heads = num_kv_heads;
@@ -139,12 +145,7 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_ca
   p.key_head_stride = key.stride(1);
   p.value_token_stride = value.stride(0);
   p.value_head_stride = value.stride(1);
-  p.k_block_stride = key_cache.stride(0);
-  p.k_token_stride = key_cache.stride(1);
-  p.k_head_stride = key_cache.stride(2);
-  p.v_block_stride = value_cache.stride(0);
-  p.v_token_stride = value_cache.stride(1);
-  p.v_head_stride = value_cache.stride(2);
+  set_cache_strides(p, key_cache, value_cache);
   p.num_tokens = key.size(0);
   p.num_kv_heads = key.size(1);
   p.head_dim = key.size(2);

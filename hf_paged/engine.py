@@ -10,6 +10,7 @@ import torch
 from .config import EngineConfig, default_kv_cache_bytes, default_swap_bytes, logger
 from .attention.dispatch import unavailable
 from .integrations.model_spec import describe_model
+from .host_allocator import tune_host_allocator
 from .kv import KVCache, KVCacheManager, blocks_needed, choose_num_blocks
 from .kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
 from .model_runner import ModelRunner
@@ -43,6 +44,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.spec = describe_model(model)
+        self.host_allocator = tune_host_allocator() if self.spec.kv.device.type == "cpu" else "not used (GPU)"
         reason = unavailable(self.config.attention_backend, self.spec.kv.device)
         if reason is not None:
             raise ValueError(f"attention_backend {self.config.attention_backend!r} cannot run on "
@@ -241,6 +243,7 @@ class Engine:
         for i, request in enumerate(requests):
             if not finite[i]:
                 request.finish("error", "the model produced non-finite logits for this request")
+                self.runner.forget_blocks(request.block_table)  # its K/V may be NaN too: never reuse them as is
                 self.counters["num_errors"] += 1
             elif request.controller is None:
                 native.append(i)

@@ -31,13 +31,31 @@ class ModelRunner:
         self.backend = backend
         self.device = spec.kv.device
         self.block_size = kv_cache.block_size
+        self._initialized = bytearray(kv_cache.num_blocks)  # 1 = the block holds finite values
         # padding entries of block tables point at block 0; keep its contents finite from the start
         self.zero_blocks([0])
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        """Freshly handed-out blocks may hold garbage (torch.empty); masked positions must never be NaN."""
-        if block_ids:
-            self.kv_cache.storage[:, :, torch.tensor(block_ids, device=self.device)] = 0
+        """Blocks never used before may hold garbage (the storage is torch.empty) and masked positions must
+        never be NaN. Once zeroed, a block only ever receives finite K/V (writes, swap-ins, copies), so each
+        block is cleared at most once in the cache's life."""
+        todo = [b for b in block_ids if not self._initialized[b]]
+        if not todo:
+            return
+        for b in todo:
+            self._initialized[b] = 1
+        storage = self.kv_cache.storage
+        if len(todo) <= 8:  # a few strided views beat one advanced-index write
+            for b in todo:
+                storage[:, :, b].zero_()
+        else:
+            storage[:, :, torch.tensor(todo, device=self.device)] = 0
+
+    def forget_blocks(self, block_ids: list[int]) -> None:
+        """These blocks may hold non-finite K/V (their request's forward pass went wrong): clear them again
+        the next time they are handed out."""
+        for b in block_ids:
+            self._initialized[b] = 0
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.block_size

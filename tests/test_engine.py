@@ -132,6 +132,26 @@ def test_failure_while_running_ends_only_that_request(llama):
     assert llm.generate([[7, 8]], GREEDY, use_tqdm=False)[0].finish_reason == "length"
 
 
+def test_blocks_of_a_failed_request_are_cleared_before_reuse():
+    """A request whose K/V went NaN frees its blocks; whoever gets them next must not read that NaN through
+    masked positions (the torch backend reads whole pages, masked slots included)."""
+    model = cached_model("llama", max_len=256)
+    poison = 250
+    saved = model.get_input_embeddings().weight[poison].clone()
+    llm = LLM(model, block_size=4, num_blocks=8, attention_backend="torch", enable_prefix_caching=False)
+    model.get_input_embeddings().weight.data[poison] = float("nan")
+    try:
+        failed = llm.generate([[poison, poison, poison, 7, 8, poison, poison]], GREEDY, use_tqdm=False)[0]
+    finally:
+        model.get_input_embeddings().weight.data[poison] = saved
+    assert failed.finish_reason == "error"
+    prompts = [[4, 5], [6]]  # short prompts: most slots of their blocks stay masked, and all 8 blocks get used
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 12) for p in prompts]
+    llm.engine.check_idle()
+
+
 def test_streaming_api_add_step_abort(llama):
     llm = LLM(llama)
     a = llm.add_request([3, 4, 5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-shared", "-fPIC"]
 _status: dict[str, str] = {}
 
 
@@ -56,6 +57,7 @@ class CpuDecodeKernel:
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, sliding_window: int | None,
                  softcap: float | None) -> torch.Tensor:
         """query [G, H, D] fp32 (one token per sequence) -> [G, H, D]; tables int64 [G, B], context_lens int64 [G]."""
+        query = query.contiguous()  # the packed rows may come as a transposed view of [H, T, D]
         groups, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
         max_blocks = block_tables.shape[1]

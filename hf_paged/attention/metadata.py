@@ -62,6 +62,20 @@ class AttentionMetadata:
     block_size: int
     groups: list[SequenceGroupPlan] = field(default_factory=list)
     fresh: list[tuple[int, int]] = field(default_factory=list)  # row ranges of prompts with no cached context
+    num_decode_groups: int = 0  # the first groups are the decodes, split by context length
+    _decodes: SequenceGroupPlan | None = None
+    _lists: tuple = ()  # (decode members, cu, query_lens, context_lens, block_tables) for `all_decodes`
+
+    def all_decodes(self) -> SequenceGroupPlan | None:
+        """Every decode of the step in ONE group (kernels that handle ragged lengths need no length split).
+        `rows` lists the packed rows in order, so when it covers all T rows it is arange(T)."""
+        if self.num_decode_groups == 1:
+            return self.groups[0]
+        if self._decodes is None and self.num_decode_groups:
+            members, cu, query_lens, context_lens, tables = self._lists
+            self._decodes = _plan(members, cu, query_lens, context_lens, tables, self.block_size,
+                                  self.block_tables.device)
+        return self._decodes
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -89,7 +103,10 @@ class AttentionMetadata:
         fresh = [i for i in range(num_seqs) if 1 < query_lens[i] == context_lens[i]]
         longer = [i for i in range(num_seqs) if 1 < query_lens[i] < context_lens[i]]
         meta.fresh = [(cu[i], cu[i + 1]) for i in fresh]
-        for members in (*_split_by_length(decode, context_lens), longer):
+        decode_groups = _split_by_length(decode, context_lens) if decode else []
+        meta.num_decode_groups = len(decode_groups)
+        meta._lists = (decode, cu, query_lens, context_lens, block_tables)
+        for members in (*decode_groups, longer):
             if members:
                 meta.groups.append(_plan(members, cu, query_lens, context_lens, block_tables, block_size, device))
         return meta

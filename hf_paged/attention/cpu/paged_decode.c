@@ -5,18 +5,21 @@
  * block_tables:  [num_seqs, max_blocks] int64;  context_lens: [num_seqs] int64 (new token included)
  * scores:        scratch, [num_seqs, num_heads, max_context]
  *
- * Work item = one sequence (sequences [first, last)), spread over OpenMP threads (built with -fopenmp, the
- * library binds to the libgomp torch already loaded, so both share one thread pool). Each token's K and V rows
- * (all kv heads, contiguous) are read once and serve every query head of every GQA group. The query sits at position context_len - 1 (bottom-right);
- * a sliding window keeps keys k > pos - window. Softcap applies tanh(s / cap) * cap to scaled scores.
+ * Work item = one (sequence, kv head) pair, spread over OpenMP threads (built with -fopenmp, the library binds
+ * to the libgomp torch already loaded, so both share one thread pool). An item walks its block table block
+ * by block (no per-token division), reads each K row and V row of its kv head once, and serves all query
+ * heads of the GQA group from it. The query sits at position context_len - 1 (bottom-right); a sliding window
+ * keeps keys k > pos - window. Softcap applies tanh(s / cap) * cap to scaled scores.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
 /* e^x for x <= 0 (scores minus their maximum), vectorizable: Cody-Waite reduction x = n ln2 + r, a degree-6
  * polynomial for e^r on [-ln2/2, ln2/2] (relative error ~1e-7, like expf), then scaling by 2^n. */
-static inline float exp_nonpositive(float x) {
+ALWAYS_INLINE float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -33,6 +36,63 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* The tokens [lo, hi) of block b that lie in [start, ctx). */
+#define BLOCK_RANGE(b)                                                        \
+    const int64_t t0 = (b) * block_size;                                      \
+    const int64_t lo = (start > t0 ? start : t0) - t0;                        \
+    const int64_t hi = (ctx < t0 + block_size ? ctx : t0 + block_size) - t0;
+
+/* One (sequence, kv head) item. `head_dim` is a compile-time constant at the specialized call sites below,
+ * which lets the compiler unroll the per-row loops completely. */
+ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict key_cache,
+                               const float *restrict value_cache, const int64_t *restrict table, float *restrict sg,
+                               float *restrict og, int64_t ctx, int64_t start, int64_t per_kv, int64_t head_dim,
+                               int64_t row, int64_t kv_offset, int64_t block_size, int64_t max_context, float scale,
+                               float softcap) {
+    const int64_t first_block = start / block_size, end_block = (ctx + block_size - 1) / block_size;
+    for (int64_t b = first_block; b < end_block; ++b) {
+        BLOCK_RANGE(b)
+        const float *restrict kb = key_cache + table[b] * block_size * row + kv_offset;
+        for (int64_t i = lo; i < hi; ++i) {
+            const float *restrict k = kb + i * row;
+            for (int64_t g = 0; g < per_kv; ++g) {
+                const float *restrict qh = qg + g * head_dim;
+                float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
+                sg[g * max_context + t0 + i] = acc * scale;
+            }
+        }
+    }
+    for (int64_t g = 0; g < per_kv; ++g) {
+        float *restrict sh = sg + g * max_context;
+        if (softcap > 0.f)
+            for (int64_t t = start; t < ctx; ++t) sh[t] = tanhf(sh[t] / softcap) * softcap;
+        float top = -INFINITY, total = 0.f;
+#pragma omp simd reduction(max : top)
+        for (int64_t t = start; t < ctx; ++t) top = sh[t] > top ? sh[t] : top;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = start; t < ctx; ++t) { sh[t] = exp_nonpositive(sh[t] - top); total += sh[t]; }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t t = start; t < ctx; ++t) sh[t] *= inv;
+    }
+    for (int64_t i = 0; i < per_kv * head_dim; ++i) og[i] = 0.f;
+    for (int64_t b = first_block; b < end_block; ++b) {
+        BLOCK_RANGE(b)
+        const float *restrict vb = value_cache + table[b] * block_size * row + kv_offset;
+        for (int64_t i = lo; i < hi; ++i) {
+            const float *restrict v = vb + i * row;
+            for (int64_t g = 0; g < per_kv; ++g) {
+                const float w = sg[g * max_context + t0 + i];
+                float *restrict o = og + g * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
+            }
+        }
+    }
+}
+
 void paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
                       const int64_t *block_tables, const int64_t *context_lens, float *out, float *scores,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -41,51 +101,23 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) for all kv heads: contiguous */
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t seq = first; seq < last; ++seq) {
+    for (int64_t item = first * num_kv_heads; item < last * num_kv_heads; ++item) {
+        const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
         const int64_t ctx = context_lens[seq];
         const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
+        const int64_t head0 = seq * num_heads + kv * per_kv; /* first query head of the group */
+        const float *qg = q + head0 * head_dim;
+        float *sg = scores + head0 * max_context;
+        float *og = out + head0 * head_dim;
         const int64_t *table = block_tables + seq * max_blocks;
-        const float *qs = q + seq * num_heads * head_dim;
-        float *s = scores + seq * num_heads * max_context; /* [num_heads, max_context] */
-        float *os = out + seq * num_heads * head_dim;
-        for (int64_t t = start; t < ctx; ++t) {
-            const float *k = key_cache + (table[t / block_size] * block_size + t % block_size) * row;
-            for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-                const float *kh = k + kv * head_dim;
-                for (int64_t h = kv * per_kv; h < (kv + 1) * per_kv; ++h) {
-                    const float *qh = qs + h * head_dim;
-                    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-                    for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * kh[d];
-                    acc *= scale;
-                    if (softcap > 0.f) acc = tanhf(acc / softcap) * softcap;
-                    s[h * max_context + t] = acc;
-                }
-            }
+        const int64_t kv_offset = kv * head_dim;
+#define ITEM(D) decode_item(qg, key_cache, value_cache, table, sg, og, ctx, start, per_kv, D, row, kv_offset, \
+                            block_size, max_context, scale, softcap)
+        switch (head_dim) {
+            case 64: ITEM(64); break;
+            case 128: ITEM(128); break;
+            default: ITEM(head_dim); break;
         }
-        for (int64_t h = 0; h < num_heads; ++h) {
-            float *sh = s + h * max_context;
-            float top = -INFINITY, total = 0.f;
-#pragma omp simd reduction(max : top)
-            for (int64_t t = start; t < ctx; ++t) top = sh[t] > top ? sh[t] : top;
-#pragma omp simd reduction(+ : total)
-            for (int64_t t = start; t < ctx; ++t) { sh[t] = exp_nonpositive(sh[t] - top); total += sh[t]; }
-            const float inv = 1.f / total;
-#pragma omp simd
-            for (int64_t t = start; t < ctx; ++t) sh[t] *= inv;
-        }
-        for (int64_t i = 0; i < num_heads * head_dim; ++i) os[i] = 0.f;
-        for (int64_t t = start; t < ctx; ++t) {
-            const float *v = value_cache + (table[t / block_size] * block_size + t % block_size) * row;
-            for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
-                const float *vh = v + kv * head_dim;
-                for (int64_t h = kv * per_kv; h < (kv + 1) * per_kv; ++h) {
-                    const float w = s[h * max_context + t];
-                    float *o = os + h * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) o[d] += w * vh[d];
-                }
-            }
-        }
+#undef ITEM
     }
 }

@@ -3,12 +3,14 @@
 The extension is built on first use with `torch.utils.cpp_extension.load` (nvcc + ninja; without ninja, or when
 cpp_extension refuses the toolkit, nvcc and c++ are called directly) into `$HF_PAGED_CACHE_DIR/cuda/<hash of the
 sources>` (default ~/.cache/hf_paged/cuda), so later processes only load the built library. The sources are read
-from the repository's csrc/ folder (`HF_PAGED_CSRC` points elsewhere, e.g. for an installed package). It serves decode-only steps (`metadata.max_query_len == 1`); steps with prefills are left to the
-other backends by `unsupported_reason`.
+from `HF_PAGED_CSRC`, else the copy a wheel carries (`hf_paged/_csrc`), else the repository's csrc/ folder. It
+serves decode-only steps (`metadata.max_query_len == 1`); steps with prefills are left to the other backends by
+`unsupported_reason`.
 
-Building ahead of time: `HF_PAGED_BUILD_CUDA=1` builds (or loads) the extension when this module is imported,
-instead of on the first attention call; `python -m hf_paged.attention.cuda_backend` does the same and prints the
-status. There is no install-time hook (pip install builds nothing).
+Building ahead of time: `HF_PAGED_BUILD_CUDA=1 pip install --no-build-isolation .` compiles the extension into
+the installed package (`hf_paged/_prebuilt`, see setup.py); at run time `HF_PAGED_BUILD_CUDA=1` builds (or loads)
+it when this module is imported instead of on the first attention call, and
+`python -m hf_paged.attention.cuda_backend` does the same and prints the status.
 
 Besides the backend contract: `store_kv` (reshape_and_cache into the NHD pages), `copy_blocks` (copy-on-write block
 copies on the device, and host <-> device swaps from pinned host memory in one launch) and `decode_plan`.
@@ -25,7 +27,12 @@ import torch
 
 from .metadata import AttentionMetadata
 
-CSRC = Path(os.environ.get("HF_PAGED_CSRC") or Path(__file__).resolve().parents[2] / "csrc")
+PACKAGE = Path(__file__).resolve().parents[1]
+# the sources: HF_PAGED_CSRC, else the copy an installed wheel carries, else the repository's csrc/
+CSRC = Path(os.environ.get("HF_PAGED_CSRC") or next(
+    (p for p in (PACKAGE / "_csrc", PACKAGE.parent / "csrc") if (p / "paged_attention.cu").is_file()),
+    PACKAGE.parent / "csrc"))
+PREBUILT = PACKAGE / "_prebuilt"  # filled at install time by HF_PAGED_BUILD_CUDA=1 (see setup.py)
 SOURCES = ("bindings.cpp", "paged_attention.cu")
 HEADERS = ("paged_attention.h",)
 HEAD_DIMS = (64, 128, 256)
@@ -35,7 +42,13 @@ _status: dict[str, str] = {}
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HF_PAGED_CACHE_DIR") or Path.home() / ".cache" / "hf_paged") / "cuda"
+    """Where builds live: HF_PAGED_CACHE_DIR, else the install-time build shipped in the package when it
+    matches these sources and this torch, else ~/.cache/hf_paged."""
+    if os.environ.get("HF_PAGED_CACHE_DIR"):
+        return Path(os.environ["HF_PAGED_CACHE_DIR"]) / "cuda"
+    if (PREBUILT / "cuda" / _source_hash()).is_dir():
+        return PREBUILT / "cuda"
+    return Path.home() / ".cache" / "hf_paged" / "cuda"
 
 
 def cuda_home() -> Path | None:

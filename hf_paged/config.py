@@ -35,6 +35,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3" (per-layer scaled, half/quarter memory)
     seed: int | None = None
+    # decode-only steps as CUDA graphs, one per batch-size bucket (see cuda_graphs.py); only on CUDA devices.
+    # True: each bucket is captured on first use; "at_start": all buckets when the engine starts; False: never
+    cuda_graphs: bool | str = True
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "EngineConfig":
@@ -77,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "at_start"):
+            raise ValueError(f"cuda_graphs must be True, False or 'at_start', got {self.cuda_graphs!r}")
         from .attention.dispatch import BACKENDS
 
         if self.attention_backend not in BACKENDS:

@@ -13,6 +13,7 @@ from .integrations.model_spec import describe_model
 from .host_allocator import tune_host_allocator
 from .kv import KVCache, KVCacheManager, blocks_needed, choose_num_blocks
 from .kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
+from .cuda_graphs import DecodeGraphSettings
 from .model_runner import ModelRunner
 from .request import CompletionOutput, Request, RequestOutput, RequestStatus
 from .sampling import SamplingParams, Sampler
@@ -54,12 +55,13 @@ class Engine:
         self.max_model_len = self.config.max_model_len or self.spec.max_model_len
         budget = self.config.kv_cache_memory or default_kv_cache_bytes(self.spec.kv.device)
         num_blocks = choose_num_blocks(self.spec.kv, self.config.block_size, self.config.num_blocks, budget)
-        self.kv_cache = KVCache(self.spec.kv, num_blocks, self.config.block_size)
+        graphs = DecodeGraphSettings.for_engine(self.config, self.spec.kv.device, num_blocks, self.max_model_len)
+        self.kv_cache = KVCache(self.spec.kv, num_blocks + (graphs is not None), self.config.block_size)  # + scratch
         self.kv = KVCacheManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.swap = self._make_swap_pool()
         costs = PreemptionCosts(copy_bytes_per_s=measure_copy_bandwidth(self.kv_cache)) if self.swap else None
         self.scheduler = Scheduler(self.config, self.kv, self.swap, costs)
-        self.runner = ModelRunner(model, self.spec, self.kv_cache, self.config.attention_backend)
+        self.runner = ModelRunner(model, self.spec, self.kv_cache, self.config.attention_backend, graphs)
         self.sampler = Sampler(self.spec.kv.device, self.config.seed)
         self.eos_token_ids = tuple(sorted(set(
             _as_id_list(getattr(model.generation_config, "eos_token_id", None))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import AttentionMetadata
+from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
 from .integrations.hf_attention import PagedForwardContext, paged_attention_active
 from .integrations.model_spec import ModelSpec
 from .kv import KVCache
@@ -24,7 +25,8 @@ class StepInputs:
 class ModelRunner:
     """Owns the KV tensors; turns a `ScheduledBatch` into logits for the requests that sample this step."""
 
-    def __init__(self, model: torch.nn.Module, spec: ModelSpec, kv_cache: KVCache, backend: str = "torch"):
+    def __init__(self, model: torch.nn.Module, spec: ModelSpec, kv_cache: KVCache, backend: str = "torch",
+                 graphs: DecodeGraphSettings | None = None):
         self.model = model
         self.spec = spec
         self.kv_cache = kv_cache
@@ -34,6 +36,8 @@ class ModelRunner:
         self._initialized = bytearray(kv_cache.num_blocks)  # 1 = the block holds finite values
         # padding entries of block tables point at block 0; keep its contents finite from the start
         self.zero_blocks([0])
+        # decode-only steps padded to a bucket and replayed as CUDA graphs (None: every step eager; see cuda_graphs.py)
+        self.graphs = DecodeGraphRunner(self, graphs) if graphs is not None else None
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         """Blocks never used before may hold garbage (the storage is torch.empty) and masked positions must
@@ -57,7 +61,9 @@ class ModelRunner:
         for b in block_ids:
             self._initialized[b] = 0
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch) -> StepInputs | PaddedDecode:
+        if self.graphs is not None and self.graphs.accepts(batch):
+            return self.graphs.prepare(batch)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -87,16 +93,24 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
+    def execute(self, inputs: StepInputs | PaddedDecode) -> torch.Tensor:
         """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows)."""
-        context = PagedForwardContext(inputs.metadata, self.kv_cache, self.backend)
+        if isinstance(inputs, PaddedDecode):
+            return self.graphs.run(inputs)
+        return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
+                sample_rows: torch.Tensor | None) -> torch.Tensor:
+        """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
+        decode graphs (captured or not) both run exactly this."""
+        context = PagedForwardContext(metadata, self.kv_cache, self.backend)
         kwargs = {}
-        if self.spec.accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = inputs.sample_rows
+        if sample_rows is not None and self.spec.accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = sample_rows
         with paged_attention_active(self.spec.configs):
-            out = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              paged_context=context, **kwargs)
         logits = out.logits[0]
-        if not self.spec.accepts_logits_to_keep:
-            logits = logits[inputs.sample_rows]
+        if sample_rows is not None and not self.spec.accepts_logits_to_keep:
+            logits = logits[sample_rows]
         return logits.float()

@@ -1,6 +1,7 @@
 """GPU checks (`pytest -m gpu`; skipped without CUDA): every available attention backend on CUDA against the float64
 reference, the CUDA extension's build and kernels (decode variants, store, block copies and host <-> device swaps),
-and the engine's tokens with "auto" against the torch backend.
+and the engine's tokens with "auto" against the torch backend; decode steps replayed as CUDA graphs against the same
+steps run eagerly (plus their step time with and without graphs, printed).
 
 A backend that is not installed is skipped with its reason; the CUDA extension must build wherever its
 prerequisites (CUDA torch, nvcc, ninja) are present.
@@ -169,3 +170,111 @@ def test_engine_auto_backend_matches_torch_backend(monkeypatch, dtype):
     else:
         assert [row[:4] for row in outputs["auto"]] == [row[:4] for row in outputs["torch"]]
         assert sum(a == b for a, b in zip(outputs["auto"], outputs["torch"])) >= len(prompts) - 2
+
+
+# ---- decode steps as CUDA graphs (hf_paged/cuda_graphs.py; the padded path itself is tested on CPU) ----------------
+def _graph_llm(model, backend, cuda_graphs=True, num_blocks=64, **options):
+    import hf_paged
+
+    return hf_paged.LLM(model, block_size=16, num_blocks=num_blocks, attention_backend=backend,
+                        cuda_graphs=cuda_graphs, preemption_mode="recompute", **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_engine_cuda_graphs_match_eager(monkeypatch, backend, dtype):
+    """5 ragged requests finishing at different times (buckets 8, 4, 2, 1): tokens from graph replays equal the same
+    padded path run without capture (same kernels, same shapes) and the engine without graphs (fp32: all; bf16: the
+    padded batch changes GEMM shapes, so first tokens of every row and most rows entirely)."""
+    import hf_paged
+    from hf_paged.cuda_graphs import DecodeGraphSettings
+    from hf_paged.tiny import tiny_model
+
+    reason = dispatch._module(backend).unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    model = tiny_model("llama", hidden=256, layers=2, heads=4, kv_heads=2, vocab_size=512, max_len=256,
+                       dtype=dtype).cuda()  # head_dim 64; max_len 256 keeps the pinned context to one kernel pass
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 17, 90, 3)]
+    params = [hf_paged.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0) for n in (20, 7, 13, 25, 4)]
+
+    def tokens(llm):
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    replay = _graph_llm(model, backend)
+    replayed = tokens(replay)
+    graphs = replay.engine.runner.graphs
+    assert graphs.off_reason is None, graphs.off_reason
+    assert sorted(graphs.captured) == [1, 2, 4, 8] and sum(graphs.steps_per_bucket.values()) == 24
+    eager = tokens(_graph_llm(model, backend, cuda_graphs=False))
+    build = DecodeGraphSettings.build
+    monkeypatch.setattr(DecodeGraphSettings, "for_engine", staticmethod(
+        lambda config, device, blocks, max_len: build(config, blocks, max_len, capture=False)))
+    uncaptured = _graph_llm(model, backend)
+    padded = tokens(uncaptured)
+    assert not uncaptured.engine.runner.graphs.captured
+    print(f"\n{backend} {dtype}: graphs {graphs.stats()}")
+    assert replayed == padded
+    if dtype == torch.float32:
+        assert replayed == eager
+    else:
+        assert [row[:4] for row in replayed] == [row[:4] for row in eager]
+        assert sum(a == b for a, b in zip(replayed, eager)) >= len(prompts) - 2
+
+
+def test_cuda_graphs_decode_step_time():
+    """Decode step time of 32 sequences with and without graphs (printed for the GPU log; no speed assertion)."""
+    import time
+
+    import hf_paged
+    from hf_paged.tiny import tiny_model
+
+    backend = next((b for b in ("cuda", "triton")
+                    if dispatch._module(b).unavailable_reason(torch.device("cuda")) is None), None)
+    if backend is None:
+        pytest.skip("neither the cuda nor the triton backend is available")
+    model = tiny_model("llama", hidden=512, layers=8, heads=8, kv_heads=2, vocab_size=1024, max_len=512,
+                       dtype=torch.bfloat16).cuda()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1024, (32,), generator=gen).tolist() for _ in range(32)]
+    params = hf_paged.SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    times = {}
+    for cuda_graphs in (False, True):
+        engine = _graph_llm(model, backend, cuda_graphs, num_blocks=256, max_num_seqs=32).engine
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        steps = []
+        while engine.has_unfinished:
+            start = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+        times[cuda_graphs] = sorted(steps[3:])[len(steps[3:]) // 2] * 1e3  # median decode step (after capture)
+        if cuda_graphs:
+            assert engine.runner.graphs.off_reason is None and engine.runner.graphs.captured
+    print(f"\ndecode step, 32 seqs, 8 layers, bf16, {backend} backend: eager {times[False]:.2f} ms, "
+          f"CUDA graphs {times[True]:.2f} ms ({times[False] / times[True]:.2f}x)")
+
+
+def test_cuda_graphs_fall_back_when_capture_fails():
+    """Mixtral's eager experts sync (nonzero) inside the forward: capture fails, graphs turn off with the reason, and
+    the tokens are those of the engine without graphs. (Last in the file: it runs a capture that fails.)"""
+    import hf_paged
+    from hf_paged.tiny import tiny_model
+
+    backend = next((b for b in ("cuda", "triton")
+                    if dispatch._module(b).unavailable_reason(torch.device("cuda")) is None), None)
+    if backend is None:
+        pytest.skip("neither the cuda nor the triton backend is available")
+    model = tiny_model("mixtral", hidden=256, heads=4, kv_heads=2, max_len=256).cuda()
+    prompts = [[5, 9, 30, 7], [11, 3, 4, 5, 6, 7, 8, 9, 10]]
+    params = hf_paged.SamplingParams(max_tokens=8, min_tokens=8, temperature=0.0)
+    outputs = {}
+    for cuda_graphs in (False, True):
+        llm = _graph_llm(model, backend, cuda_graphs)
+        outputs[cuda_graphs] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    graphs = llm.engine.runner.graphs
+    print(f"\nmixtral: {graphs.stats()}")
+    assert outputs[True] == outputs[False]
+    if graphs.off_reason is None:  # a transformers whose experts do not sync: then it was captured
+        assert graphs.captured

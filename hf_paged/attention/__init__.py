@@ -45,8 +45,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if module.__name__.endswith("torch_backend"):
         return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key,
                                      value, native_decode=backend == "auto", kv_scales=kv_scales)
+    if module.__name__.endswith("triton_backend"):  # reads scaled fp8 caches itself
+        return module.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap,
+                                      kv_scales=kv_scales)
     if key_cache.dtype.itemsize == 1 and kv_scales != (1.0, 1.0):
-        raise ValueError(f"{module.__name__} does not read scaled fp8 caches; use the torch backend")
+        raise ValueError(f"{module.__name__} does not read scaled fp8 caches; use the torch or triton backend")
     return module.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap)
 
 

@@ -5,6 +5,7 @@ One unified varlen kernel serves decodes, fresh prompts and chunked prefills in 
 GQA group, so each K/V tile is read once per group. Decode-only batches with long contexts and too few
 (sequence, KV head) programs to fill the GPU split each sequence's KV range over several programs, and a small
 second kernel combines their partial softmax states. Also: `triton_store_kv` and `triton_copy_blocks`.
+FP8 (float8_e4m3fn) caches with per-layer (k_scale, v_scale) are read and written by the same kernels.
 
 Kernels live in triton_kernels.py; they are interpreter functions when TRITON_INTERPRET=1 was set before that
 module was first imported (then this backend runs on CPU tensors, slowly: for tests).
@@ -30,6 +31,8 @@ except ImportError as e:  # optional dependency: the backend reports itself unav
     _IMPORT_ERROR = f"triton is not installed ({e}); pip install 'hf_paged[triton]'"
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+FP8 = torch.float8_e4m3fn  # the scaled fp8 cache dtype (torch_backend.quantize); triton calls it fp8e4nv
+KV_DTYPES = {**DTYPES, FP8: "fp8e4nv"}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_HEADS_PER_KV = 128
 NO_WINDOW = 1 << 30
@@ -63,8 +66,9 @@ def unavailable_reason(device: torch.device) -> str | None:
 def unsupported_reason(query, key_cache, metadata, sliding_window, softcap) -> str | None:
     if query.dtype not in DTYPES:
         return f"triton backend supports float16 / bfloat16 / float32, not {query.dtype}"
-    if key_cache.dtype != query.dtype:
-        return f"triton backend needs the cache dtype ({key_cache.dtype}) to match the queries ({query.dtype})"
+    if key_cache.dtype not in (query.dtype, FP8):
+        return f"triton backend needs the cache dtype ({key_cache.dtype}) to match the queries ({query.dtype}) " \
+               "or to be torch.float8_e4m3fn"
     block_size = key_cache.shape[1]
     if block_size < 8 or block_size & (block_size - 1):
         return f"triton backend needs a power-of-two block size >= 8, not {block_size}"
@@ -86,7 +90,8 @@ def unsupported_reason(query, key_cache, metadata, sliding_window, softcap) -> s
 class KernelConfig:
     """Everything that selects one compiled variant of `paged_attention_kernel`, plus its launch options."""
 
-    dtype: str  # "fp16" | "bf16" | "fp32"
+    dtype: str  # "fp16" | "bf16" | "fp32": queries and output
+    kv_dtype: str  # the caches: `dtype`, or "fp8e4nv" (scaled fp8)
     head_dim: int
     heads_per_kv: int
     block_m: int  # rows per program: block_q tokens x heads_per_kv heads (+ padding to a power of two)
@@ -112,28 +117,41 @@ class KernelConfig:
 
 
 def choose_config(dtype: str, head_dim: int, heads_per_kv: int, decode_only: bool, softcap: bool,
-                  split: bool) -> KernelConfig:
+                  split: bool, kv_dtype: str | None = None) -> KernelConfig:
     """Decodes: 16-row tiles (a decode has one token, so rows are mostly the GQA group). Prefill: 64-row tiles.
     Narrower KV tiles and more warps for 256-wide heads. fp32 (exact "ieee" dots, done with FMAs) spills with
-    those tiles on sm_90, so it takes 32-row prefill tiles, 16-key steps and 2 stages (measured: no spills)."""
+    those tiles on sm_90, so it takes 32-row prefill tiles, 16-key steps and 2 stages (measured: no spills).
+    fp8 caches (`kv_dtype` "fp8e4nv"; tiles are upcast to the query dtype after loading) take their query dtype's
+    tiles except: fp32 runs unpipelined (with 2 stages the upcast between the async copy and the FMA dot spills
+    0.2-5 KB on sm_90) and half-precision decodes take half-width KV steps (full-width, ~1 in 10 spilled 8-32 bytes
+    at ptxas's 168-register cap). Then 13 of the 742 fp8 variants (and 4 of the 742 unquantized ones) keep an 8-16
+    byte frame (in the one inspected: one value parked across the main loop, stored before it, loaded after).
+    Compile-checked only: not yet timed on a GPU."""
+    kv_dtype = kv_dtype or dtype
+    fp8 = kv_dtype != dtype
     head_pad = _pow2(max(head_dim, MIN_HEAD_DIM))
     if dtype == "fp32":
         block_m = max(16 if decode_only else 32, _pow2(heads_per_kv))
-        return KernelConfig(dtype, head_dim, heads_per_kv, block_m, 16, softcap, split, 4 if block_m == 16 else 8, 2)
+        return KernelConfig(dtype, kv_dtype, head_dim, heads_per_kv, block_m, 16, softcap, split,
+                            4 if block_m == 16 else 8, 1 if fp8 else 2)
     block_m = max(16 if decode_only else 64, _pow2(heads_per_kv))
-    tile_n = 64 if head_pad <= 128 else 32
+    tile_n = (64 if head_pad <= 128 else 32) // (2 if fp8 and decode_only else 1)
     num_warps = 8 if block_m * head_pad >= 64 * 256 else 4
     num_stages = 3
-    return KernelConfig(dtype, head_dim, heads_per_kv, block_m, tile_n, softcap, split, num_warps, num_stages)
+    return KernelConfig(dtype, kv_dtype, head_dim, heads_per_kv, block_m, tile_n, softcap, split, num_warps,
+                        num_stages)
 
 
 def kernel_configs(head_dims=(16, 32, 64, 80, 96, 128, 256), heads_per_kv=(1, 2, 4, 8, 16, 32)):
-    """Every variant the dispatcher can pick for these head dims and GQA ratios (block size, sequence lengths,
-    window, scale and split count are runtime arguments; they never select a variant)."""
+    """Every variant the dispatcher can pick for these head dims and GQA ratios, each with an unquantized and an
+    fp8 cache (block size, sequence lengths, window, scales and split count are runtime arguments; they never
+    select a variant)."""
     configs = []
-    for dtype, head_dim, per_kv, softcap, mode in itertools.product(("fp16", "bf16", "fp32"), head_dims, heads_per_kv,
-                                                                      (False, True), ("prefill", "decode", "split")):
-        configs.append(choose_config(dtype, head_dim, per_kv, mode != "prefill", softcap, mode == "split"))
+    for dtype, fp8, head_dim, per_kv, softcap, mode in itertools.product(
+            ("fp16", "bf16", "fp32"), (False, True), head_dims, heads_per_kv, (False, True),
+            ("prefill", "decode", "split")):
+        configs.append(choose_config(dtype, head_dim, per_kv, mode != "prefill", softcap, mode == "split",
+                                     "fp8e4nv" if fp8 else dtype))
     return list(dict.fromkeys(configs))
 
 
@@ -143,7 +161,7 @@ def kernel_signature(cfg: KernelConfig):
     fn = kernels.paged_attention_kernel
     names = fn.arg_names
     constexprs = cfg.constexprs()
-    pointers = {"out_ptr": cfg.dtype, "q_ptr": cfg.dtype, "k_cache_ptr": cfg.dtype, "v_cache_ptr": cfg.dtype,
+    pointers = {"out_ptr": cfg.dtype, "q_ptr": cfg.dtype, "k_cache_ptr": cfg.kv_dtype, "v_cache_ptr": cfg.kv_dtype,
                 "block_tables_ptr": "i32", "cu_seqlens_q_ptr": "i32", "context_lens_ptr": "i32",
                 "part_m_ptr": "fp32", "part_l_ptr": "fp32", "part_acc_ptr": "fp32"}
     signature = {}
@@ -152,7 +170,7 @@ def kernel_signature(cfg: KernelConfig):
             signature[name] = "constexpr"
         elif name in pointers:
             signature[name] = "*" + pointers[name]
-        elif name in ("scale", "softcap"):
+        elif name in ("scale", "v_scale", "softcap"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -185,8 +203,11 @@ def _dummy(device: torch.device) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                    softcap: float | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """query [T, H, D] -> output [T, H, D] (new K/V already stored). `num_splits` overrides the split-KV rule."""
+                    softcap: float | None = None, num_splits: int | None = None,
+                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """query [T, H, D] -> output [T, H, D] (new K/V already stored). `num_splits` overrides the split-KV rule.
+    `kv_scales`: (k_scale, v_scale) of float8_e4m3fn caches (stored = value / scale); ignored for other caches,
+    as `torch_backend.dequantize` ignores them."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
@@ -201,9 +222,11 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         num_splits = split_count(num_seqs, num_kv_heads, metadata.max_query_len, metadata.max_context_len, sms,
                                  sliding_window)
     cfg = choose_config(DTYPES[query.dtype], head_dim, num_heads // num_kv_heads, metadata.max_query_len == 1,
-                        bool(softcap), num_splits > 1)
-    # numpy has no bfloat16 (the interpreter carries it as uint16 bits), so interpreted bf16 upcasts its loads
-    upcast = _interpreted() and query.dtype == torch.bfloat16
+                        bool(softcap), num_splits > 1, KV_DTYPES[key_cache.dtype])
+    fp8 = key_cache.dtype == FP8
+    k_scale, v_scale = (float(kv_scales[0]), float(kv_scales[1])) if fp8 else (1.0, 1.0)
+    # numpy has neither bfloat16 nor fp8 (the interpreter carries raw bits), so interpreted kernels upcast to fp32
+    upcast = _interpreted() and (query.dtype == torch.bfloat16 or fp8)
     if cfg.split:
         part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
@@ -217,7 +240,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     kernels.paged_attention_kernel[grid](
         out, query, key_cache, value_cache, tables, metadata.cu_seqlens_q, metadata.context_lens,
         part_m, part_l, part_acc,
-        num_seqs, float(scale), float(softcap or 0.0), int(window), block_size.bit_length() - 1,
+        num_seqs, float(scale) * k_scale, v_scale, float(softcap or 0.0), int(window), block_size.bit_length() - 1,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tables.stride(0),
@@ -230,24 +253,28 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 
 def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """`store_kv` as one kernel: new K/V [T, H_kv, D] (any dtype, head dim contiguous) into flat slots of the
-    [num_blocks, block_size, H_kv, D] caches (cast to the cache dtype). Slots < 0 are skipped."""
+    [num_blocks, block_size, H_kv, D] caches (cast to the cache dtype; float8_e4m3fn caches get value / scale,
+    saturated to +-448 and rounded to nearest even: `torch_backend.quantize`'s bytes). Slots < 0 are skipped."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     block_size = key_cache.shape[1]
     if block_size & (block_size - 1) or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("triton_store_kv needs a power-of-two block size and contiguous head dims")
+    fp8 = key_cache.dtype == FP8
+    if value_cache.dtype != key_cache.dtype or (key_cache.element_size() == 1 and not fp8):
+        raise ValueError(f"triton_store_kv needs K and V caches of one dtype, and of the 1-byte ones only {FP8}")
     head_pad = _pow2(head_dim)
     block_h = min(_pow2(num_kv_heads), max(1, 4096 // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     kernels.store_kv_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping, num_kv_heads, block_size.bit_length() - 1,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        float(k_scale), float(v_scale), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_H=block_h, num_warps=4)
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_H=block_h, FP8=fp8, SOFT_FP8=fp8 and _interpreted(), num_warps=4)
 
 
 def triton_copy_blocks(src, dst, src_ids, dst_ids, block_dim: int = 0) -> None:

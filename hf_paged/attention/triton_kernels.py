@@ -5,6 +5,16 @@ become interpreter functions (numpy on the CPU), otherwise compiled GPU kernels.
 
 Layouts: queries / outputs [T, H, D] (any strides, last dim contiguous); caches [num_blocks, block_size, H_kv, D]
 (last dim contiguous); block tables int32 [B, max_blocks]; cu_seqlens_q / context_lens int32.
+
+FP8 caches (float8_e4m3fn, "fp8e4nv" in triton) hold value / scale with one (k_scale, v_scale) per layer, saturated
+to +-FP8_MAX. The attention kernel upcasts fp8 tiles to the queries' dtype (exact: every e4m3 value is an fp16 / bf16
+/ fp32 value), so its dots run as for unquantized caches; the host folds k_scale into the score scale and the kernel
+multiplies its fp32 output accumulator by v_scale once: one rounding each, instead of one per dequantized element.
+
+Interpreter (TRITON_INTERPRET=1) caveat: numpy has no bfloat16 or fp8, so the interpreter carries them as raw
+uint16 / uint8 bits. Upcasting them to fp32 is exact there, but arithmetic on them is not, and its fp32 -> fp8 cast
+is not faithful (ties round up, a mantissa carry can halve the value, no e4m3fn saturation). So interpreted kernels
+upcast bf16 / fp8 loads to fp32 before any math (UPCAST) and quantize into fp8 with integer ops (SOFT_FP8).
 """
 from __future__ import annotations
 
@@ -12,6 +22,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(448.0)  # largest finite float8_e4m3fn (torch_backend.FP8_MAX)
 NEG_BIG = -1.0e30  # running-max start: finite, so a fully masked tile gives exp2(-inf - NEG_BIG) = 0, never NaN
 
 
@@ -59,10 +70,48 @@ def _tanh(x):
 
 
 @triton.jit
+def _e4m3_bits(x):
+    """fp32 `x`, already clamped to [-FP8_MAX, FP8_MAX] -> its float8_e4m3fn bit pattern (int32, 0..255), rounded
+    to nearest even with integer ops only: bit for bit torch's cast, wherever it runs."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # |x| >= 2^-6 (normal e4m3): keep 3 of fp32's 23 mantissa bits, ties to even; a carry rounds up the exponent,
+    # then rebias the exponent from 127 to 7 (120 << 3). |x| <= 448 never reaches the NaN code 0x7F.
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    # |x| < 2^-6 (subnormal e4m3): the integer nearest |x| * 2^9 = full * 2^(exp - 141), ties to even
+    # (m = 8 is the smallest normal, 0x08, so rounding up across the boundary needs no special case)
+    exp = mag >> 23
+    full = (mag & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - exp, 25)  # from 25 on, everything below 2^-10 rounds to 0
+    m = full >> shift
+    rem = full - (m << shift)
+    half = 1 << (shift - 1)
+    m = m + ((rem > half) | ((rem == half) & ((m & 1) == 1))).to(tl.int32)
+    return sign | tl.where(mag >= 0x3C800000, normal, m)  # 0x3C800000: 2^-6 in fp32
+
+
+@triton.jit
+def _to_cache(x, scale, cache_ptr, FP8: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """New K or V values in the cache's element type. FP8: x / scale (IEEE division, as torch does it), saturated
+    to +-FP8_MAX, rounded to nearest even (compiled: cvt.rn.satfinite; interpreted: `_e4m3_bits`)."""
+    if FP8:
+        y = tl.div_rn(x.to(tl.float32), scale)  # bf16 -> fp32 is exact in the interpreter too
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        if SOFT_FP8:
+            out = _e4m3_bits(y).to(tl.uint8).to(cache_ptr.dtype.element_ty, bitcast=True)
+        else:
+            out = y.to(cache_ptr.dtype.element_ty)
+    else:
+        out = x.to(cache_ptr.dtype.element_ty)
+    return out
+
+
+@triton.jit
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    num_seqs, scale, softcap, window, log2_block_size,
+    num_seqs, scale, v_scale, softcap, window, log2_block_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_PER_KV: tl.constexpr,
@@ -73,7 +122,8 @@ def paged_attention_kernel(
     x HEADS_PER_KV query heads of the KV head's GQA group (row r: token r // HEADS_PER_KV, head r % HEADS_PER_KV),
     so each K/V tile is read once for the whole group. KV positions are walked TILE_N at a time through the
     block table with an online softmax in fp32. SPLIT: write this split's (max, sum, unnormalised out) for
-    `reduce_splits_kernel` instead of the output."""
+    `reduce_splits_kernel` instead of the output. fp8 caches: `scale` already includes k_scale; `v_scale`
+    multiplies the accumulator (1.0 for unquantized caches: exact)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,7 +147,7 @@ def paged_attention_kernel(
     row_index = (q_begin + tok).to(tl.int64)
     q = tl.load(q_ptr + row_index[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
-    if UPCAST:  # interpreter only: numpy has no bfloat16 (it is carried as uint16), so compute in fp32
+    if UPCAST:  # interpreter only: bf16 / fp8 are carried as raw bits there (module docstring): compute in fp32
         q = q.to(tl.float32)
 
     # keys this tile can see: [first query's position - window + 1, last query's position]; other tiles skipped
@@ -131,9 +181,10 @@ def paged_attention_kernel(
                     other=0.0)  # [HEAD_PAD, TILE_N]
         v = tl.load(v_cache_ptr + v_off[:, None] + dims[None, :], mask=k_valid[:, None] & dim_valid[None, :],
                     other=0.0)  # [TILE_N, HEAD_PAD]
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        # into the queries' dtype: fp8 -> fp16 / bf16 / fp32 is exact, unquantized caches already are (a no-op);
+        # under UPCAST q is fp32, so this is the interpreter's exact upcast of bf16 / fp8 bits
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION)
         if USE_SOFTCAP:  # s = cap * tanh(s * scale / cap), then into log2 units
             s = _tanh(s * qk_scale) * (softcap * 1.4426950408889634)
@@ -148,6 +199,7 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    acc = acc * v_scale  # the V dequantization, once per program (and before the splits are combined)
     if SPLIT:
         part = (row_index * (tl.num_programs(1) * HEADS_PER_KV) + head) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
@@ -185,11 +237,12 @@ def reduce_splits_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_spli
 
 @triton.jit
 def store_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, num_kv_heads,
-                    log2_block_size, stride_kt, stride_kh, stride_vt, stride_vh,
+                    log2_block_size, k_scale, v_scale, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_ckb, stride_cks, stride_ckh, stride_cvb, stride_cvs, stride_cvh,
-                    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+                    SOFT_FP8: tl.constexpr):
     """One program per (token, group of BLOCK_H KV heads): new K/V row -> its cache slot. Negative slots
-    (padding) are skipped. Values are cast to the cache dtype."""
+    (padding) are skipped. Values are cast to the cache dtype (FP8: quantized with k_scale / v_scale, `_to_cache`)."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -202,9 +255,9 @@ def store_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_map
     k = tl.load(key_ptr + t * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(value_ptr + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     tl.store(key_cache_ptr + block * stride_ckb + offset * stride_cks + heads[:, None] * stride_ckh + dims[None, :],
-             k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+             _to_cache(k, k_scale, key_cache_ptr, FP8, SOFT_FP8), mask=mask)
     tl.store(value_cache_ptr + block * stride_cvb + offset * stride_cvs + heads[:, None] * stride_cvh + dims[None, :],
-             v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+             _to_cache(v, v_scale, value_cache_ptr, FP8, SOFT_FP8), mask=mask)
 
 
 @triton.jit

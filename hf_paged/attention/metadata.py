@@ -60,21 +60,37 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     block_size: int
-    groups: list[SequenceGroupPlan] = field(default_factory=list)
+    groups: list[SequenceGroupPlan] = field(default_factory=list)  # see decode_groups / other_groups
     fresh: list[tuple[int, int]] = field(default_factory=list)  # row ranges of prompts with no cached context
-    num_decode_groups: int = 0  # the first groups are the decodes, split by context length
+    num_decode_groups: int = 0  # once built, the first groups are the decodes, split by context length
+    _pending_decodes: list[list[int]] = field(default_factory=list)  # decode groups whose plans are not built yet
     _decodes: SequenceGroupPlan | None = None
-    _lists: tuple = ()  # (decode members, cu, query_lens, context_lens, block_tables) for `all_decodes`
+    _lists: tuple = ()  # (decode members, cu, query_lens, context_lens, block_tables) for building plans
+
+    def _build(self, members: list[int]) -> SequenceGroupPlan:
+        _, cu, query_lens, context_lens, tables = self._lists
+        return _plan(members, cu, query_lens, context_lens, tables, self.block_size, self.block_tables.device)
+
+    def decode_groups(self) -> list[SequenceGroupPlan]:
+        """The decodes split by context length (for backends that pad a group to its longest member). Built
+        on first use: a backend that handles ragged lengths asks for `all_decodes` instead."""
+        if self._pending_decodes:
+            self.groups = [self._build(m) for m in self._pending_decodes] + self.groups
+            self._pending_decodes = []
+        return self.groups[:self.num_decode_groups]
+
+    def other_groups(self) -> list[SequenceGroupPlan]:
+        """The dense group of chunked / resumed prefills (at most one)."""
+        return self.groups if self._pending_decodes else self.groups[self.num_decode_groups:]
 
     def all_decodes(self) -> SequenceGroupPlan | None:
         """Every decode of the step in ONE group (kernels that handle ragged lengths need no length split).
         `rows` lists the packed rows in order, so when it covers all T rows it is arange(T)."""
-        if self.num_decode_groups == 1:
-            return self.groups[0]
         if self._decodes is None and self.num_decode_groups:
-            members, cu, query_lens, context_lens, tables = self._lists
-            self._decodes = _plan(members, cu, query_lens, context_lens, tables, self.block_size,
-                                  self.block_tables.device)
+            if self.num_decode_groups == 1:
+                self._decodes = self.decode_groups()[0]
+            else:
+                self._decodes = self._build(self._lists[0])
         return self._decodes
 
     @classmethod
@@ -106,9 +122,9 @@ class AttentionMetadata:
         decode_groups = _split_by_length(decode, context_lens) if decode else []
         meta.num_decode_groups = len(decode_groups)
         meta._lists = (decode, cu, query_lens, context_lens, block_tables)
-        for members in (*decode_groups, longer):
-            if members:
-                meta.groups.append(_plan(members, cu, query_lens, context_lens, block_tables, block_size, device))
+        meta._pending_decodes = decode_groups
+        if longer:
+            meta.groups.append(_plan(longer, cu, query_lens, context_lens, block_tables, block_size, device))
         return meta
 
 

@@ -135,13 +135,14 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     With the new tokens' `key` / `value` ([T, H_kv, D]) fresh prompts skip the page gather.
     `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built."""
     native = load_cpu_kernel() if native_decode and usable(query, key_cache) else None
-    groups = metadata.groups
     if native is not None and metadata.num_decode_groups:
         decodes = metadata.all_decodes()  # one kernel call for every decode: it needs no split by length
         if decodes.rows.numel() == query.shape[0]:  # a pure decode step: rows are 0..T-1 in order
             return native(query, key_cache, value_cache, decodes.block_tables, decodes.context_lens.view(-1),
                           scale, sliding_window, softcap)
-        groups = [decodes, *groups[metadata.num_decode_groups:]]
+        groups = [decodes, *metadata.other_groups()]
+    else:
+        groups = [*metadata.decode_groups(), *metadata.other_groups()]
     out = torch.empty_like(query)
     for plan in groups:
         out.index_copy_(0, plan.rows, _attend_group(query, key_cache, value_cache, plan, scale, sliding_window, softcap,

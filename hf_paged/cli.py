@@ -43,19 +43,26 @@ def demo(args) -> int:
     print(f"hf-paged demo: random-weight Llama ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M params), "
           f"{len(prompts)} prompts of 8-96 tokens, {args.max_tokens} new tokens each, greedy")
     llm = LLM(model, block_size=16, max_num_seqs=128)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    paged_s = time.perf_counter() - start
-    hf_tokens, hf_s = _hf_padded_generate(model, prompts, args.max_tokens)
+    # each system runs the workload twice and keeps its faster time: a run this short (~0.3 s) otherwise mostly
+    # measures first-call costs (allocator growth, kernel loading) and machine noise
+    paged_s = hf_s = float("inf")
+    for attempt in range(2):
+        steps_before = llm.stats()["num_steps"]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=attempt == 0)
+        paged_s = min(paged_s, time.perf_counter() - start)
+        hf_tokens, seconds = _hf_padded_generate(model, prompts, args.max_tokens)
+        hf_s = min(hf_s, seconds)
     same = sum(o.token_ids == h for o, h in zip(outputs, hf_tokens))
     total = sum(len(o.token_ids) for o in outputs)
     stats = llm.stats()
+    steps = stats["num_steps"] - steps_before
     print(f"\n{'system':<28}{'seconds':>10}{'output tok/s':>15}")
     print(f"{'hf_paged LLM.generate':<28}{paged_s:>10.2f}{total / paged_s:>15.1f}")
     print(f"{'HF generate (padded batch)':<28}{hf_s:>10.2f}{total / hf_s:>15.1f}")
     print(f"\nspeed-up {hf_s / paged_s:.2f}x; outputs identical to HF for {same}/{len(prompts)} prompts; "
           f"KV pool {stats['num_blocks_total']} blocks ({stats['kv_cache_bytes'] / 2**20:.0f} MiB reserved), "
-          f"{stats['num_steps']} engine steps")
+          f"{steps} engine steps per run")
     return 0 if same == len(prompts) else 1
 
 

@@ -135,6 +135,8 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     With the new tokens' `key` / `value` ([T, H_kv, D]) fresh prompts skip the page gather.
     `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built."""
     native = load_cpu_kernel() if native_decode and usable(query, key_cache) else None
+    if key_cache.dtype in FP8_DTYPES:  # fresh prompts too attend over what the pages hold, as every later step does
+        key = value = None
     if native is not None and metadata.num_decode_groups:
         decodes = metadata.all_decodes()  # one kernel call for every decode: it needs no split by length
         if decodes.rows.numel() == query.shape[0]:  # a pure decode step: rows are 0..T-1 in order

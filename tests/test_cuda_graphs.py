@@ -28,17 +28,24 @@ MAX_TOKENS = (20, 7, 13, 25, 4)  # finishing at different times: 5 -> 4 -> 3 -> 
 BUCKET_STEPS = {8: 3, 4: 9, 2: 7, 1: 5}
 
 
-@pytest.fixture
-def padded(monkeypatch):
-    """Engines built in the test take the decode-graph path on CPU. Only the device gate is replaced:
-    `DecodeGraphSettings.for_engine` (None away from CUDA) returns the engine's settings with capture=False
-    (unless cuda_graphs=False: the reference engines)."""
+def force_padded_path(monkeypatch, **overrides) -> None:
+    """Engines built afterwards take the decode-graph path on CPU. Only the device gate is replaced:
+    `DecodeGraphSettings.for_engine` (None away from CUDA) returns the engine's settings with capture=False and
+    `overrides` applied (unless cuda_graphs=False: the reference engines)."""
     def for_engine(config, device, num_pool_blocks, max_model_len):
         if config.cuda_graphs is False:
             return None
-        return DecodeGraphSettings.build(config, num_pool_blocks, max_model_len, capture=False)
+        settings = DecodeGraphSettings.build(config, num_pool_blocks, max_model_len, capture=False)
+        for name, value in overrides.items():
+            setattr(settings, name, value)
+        return settings
 
     monkeypatch.setattr(DecodeGraphSettings, "for_engine", staticmethod(for_engine))
+
+
+@pytest.fixture
+def padded(monkeypatch):
+    force_padded_path(monkeypatch)
 
 
 def prompts(lengths=PROMPT_LENS, seed=3):
@@ -209,12 +216,7 @@ def test_fp8_cache_scales_come_from_an_eager_step(padded, llama):
 
 def test_contexts_longer_than_the_tables_run_eagerly(llama, monkeypatch):
     """Graphs whose tables hold 2 blocks of 8 serve decodes at positions < 16 only; later steps go eager."""
-    def for_engine(config, device, num_pool_blocks, max_model_len):
-        settings = DecodeGraphSettings.build(config, num_pool_blocks, max_model_len, capture=False)
-        settings.max_blocks = 2
-        return settings
-
-    monkeypatch.setattr(DecodeGraphSettings, "for_engine", staticmethod(for_engine))
+    force_padded_path(monkeypatch, max_blocks=2)
     batch = prompts((3, 9), seed=7)
     counts = (16, 10)
     engine = Engine(llama, block_size=8, num_blocks=16, max_model_len=64)
@@ -296,12 +298,7 @@ def test_padding_rows_write_only_the_scratch_block(padded, llama):
 
 def test_the_write_check_catches_padding_aimed_at_a_real_block(llama, monkeypatch):
     """The same check fails when the padding slot is a block a request holds (block 1: the first prompt's second)."""
-    def for_engine(config, device, num_pool_blocks, max_model_len):
-        settings = DecodeGraphSettings.build(config, num_pool_blocks, max_model_len, capture=False)
-        settings.scratch_block = 1
-        return settings
-
-    monkeypatch.setattr(DecodeGraphSettings, "for_engine", staticmethod(for_engine))
+    force_padded_path(monkeypatch, scratch_block=1)
     engine = Engine(llama, block_size=8, num_blocks=16, max_model_len=64)
     start_three_requests(engine)
     assert 1 in engine.scheduler.running[0].block_table

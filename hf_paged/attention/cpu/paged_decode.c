@@ -7,12 +7,13 @@
  *
  * Work item = one (sequence, kv head) pair, spread over OpenMP threads (built with -fopenmp, the library binds
  * to the libgomp torch already loaded, so both share one thread pool). An item walks its block table block
- * by block (no per-token division), reads each K row and V row of its kv head once, and serves all query
+ * by block once (no per-token division), reads each K row and V row of its kv head once, and serves all query
  * heads of the GQA group from it. The query sits at position context_len - 1 (bottom-right); a sliding window
  * keeps keys k > pos - window. Softcap applies tanh(s / cap) * cap to scaled scores.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -36,32 +37,32 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* The tokens [lo, hi) of block b that lie in [start, ctx). */
-#define BLOCK_RANGE(b)                                                        \
-    const int64_t t0 = (b) * block_size;                                      \
-    const int64_t lo = (start > t0 ? start : t0) - t0;                        \
-    const int64_t hi = (ctx < t0 + block_size ? ctx : t0 + block_size) - t0;
+/* Where each token's row of this item lives: offsets[t - start] = element offset of token t's K (and V: both
+ * caches share one layout) for kv head `kv_offset / head_dim`, for t in [start, ctx). The table is walked block
+ * by block, so no token pays a division; both passes below then read rows through these offsets. */
+static void token_offsets(const int64_t *restrict table, int64_t start, int64_t ctx, int64_t block_size, int64_t row,
+                          int64_t kv_offset, int64_t *restrict offsets) {
+    for (int64_t b = start / block_size, t = start; t < ctx; ++b) {
+        const int64_t block_end = (b + 1) * block_size < ctx ? (b + 1) * block_size : ctx;
+        const int64_t base = (table[b] * block_size - b * block_size) * row + kv_offset;
+        for (; t < block_end; ++t) offsets[t - start] = base + t * row;
+    }
+}
 
 /* One (sequence, kv head) item. `head_dim` is a compile-time constant at the specialized call sites below,
- * which lets the compiler unroll the per-row loops completely. */
+ * which lets the compiler unroll the per-row loops completely. `offsets` as filled by token_offsets. */
 ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict key_cache,
-                               const float *restrict value_cache, const int64_t *restrict table, float *restrict sg,
+                               const float *restrict value_cache, const int64_t *restrict offsets, float *restrict sg,
                                float *restrict og, int64_t ctx, int64_t start, int64_t per_kv, int64_t head_dim,
-                               int64_t row, int64_t kv_offset, int64_t block_size, int64_t max_context, float scale,
-                               float softcap) {
-    const int64_t first_block = start / block_size, end_block = (ctx + block_size - 1) / block_size;
-    for (int64_t b = first_block; b < end_block; ++b) {
-        BLOCK_RANGE(b)
-        const float *restrict kb = key_cache + table[b] * block_size * row + kv_offset;
-        for (int64_t i = lo; i < hi; ++i) {
-            const float *restrict k = kb + i * row;
-            for (int64_t g = 0; g < per_kv; ++g) {
-                const float *restrict qh = qg + g * head_dim;
-                float acc = 0.f;
+                               int64_t max_context, float scale, float softcap) {
+    for (int64_t t = start; t < ctx; ++t) {
+        const float *restrict k = key_cache + offsets[t - start];
+        for (int64_t g = 0; g < per_kv; ++g) {
+            const float *restrict qh = qg + g * head_dim;
+            float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
-                sg[g * max_context + t0 + i] = acc * scale;
-            }
+            for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
+            sg[g * max_context + t] = acc * scale;
         }
     }
     for (int64_t g = 0; g < per_kv; ++g) {
@@ -78,17 +79,13 @@ ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict k
         for (int64_t t = start; t < ctx; ++t) sh[t] *= inv;
     }
     for (int64_t i = 0; i < per_kv * head_dim; ++i) og[i] = 0.f;
-    for (int64_t b = first_block; b < end_block; ++b) {
-        BLOCK_RANGE(b)
-        const float *restrict vb = value_cache + table[b] * block_size * row + kv_offset;
-        for (int64_t i = lo; i < hi; ++i) {
-            const float *restrict v = vb + i * row;
-            for (int64_t g = 0; g < per_kv; ++g) {
-                const float w = sg[g * max_context + t0 + i];
-                float *restrict o = og + g * head_dim;
+    for (int64_t t = start; t < ctx; ++t) {
+        const float *restrict v = value_cache + offsets[t - start];
+        for (int64_t g = 0; g < per_kv; ++g) {
+            const float w = sg[g * max_context + t];
+            float *restrict o = og + g * head_dim;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
-            }
+            for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
         }
     }
 }
@@ -109,15 +106,20 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
         const float *qg = q + head0 * head_dim;
         float *sg = scores + head0 * max_context;
         float *og = out + head0 * head_dim;
-        const int64_t *table = block_tables + seq * max_blocks;
-        const int64_t kv_offset = kv * head_dim;
-#define ITEM(D) decode_item(qg, key_cache, value_cache, table, sg, og, ctx, start, per_kv, D, row, kv_offset, \
-                            block_size, max_context, scale, softcap)
+        int64_t *offsets = malloc((size_t)(ctx - start) * sizeof *offsets);
+        if (offsets == NULL) { /* cannot happen for sane sizes; leave a NaN row rather than crash the process */
+            for (int64_t i = 0; i < per_kv * head_dim; ++i) og[i] = NAN;
+            continue;
+        }
+        token_offsets(block_tables + seq * max_blocks, start, ctx, block_size, row, kv * head_dim, offsets);
+#define ITEM(D) decode_item(qg, key_cache, value_cache, offsets, sg, og, ctx, start, per_kv, D, max_context, scale, \
+                            softcap)
         switch (head_dim) {
             case 64: ITEM(64); break;
             case 128: ITEM(128); break;
             default: ITEM(head_dim); break;
         }
+        free(offsets);
 #undef ITEM
     }
 }

@@ -105,7 +105,7 @@ def run_all(llm, hf_paged, prompts: list[list[int]], max_tokens: int) -> dict:
 def worker(args, setup: dict) -> None:
     threads = set_threads(args.threads)
     import hf_paged
-    from hf_paged.integrations.model_spec import describe_model
+    from hf_paged.model import describe_model
     from hf_paged.kv.swap import measure_copy_bandwidth
     from hf_paged.tiny import tiny_model
 

@@ -10,6 +10,8 @@ import torch
 logger = logging.getLogger("hf_paged")
 
 GiB = 1 << 30
+# the names `attention_backend` takes (attention/dispatch.py maps each to its implementation)
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda", "flash3", "flash2", "flashinfer")
 
 
 @dataclass(slots=True)
@@ -82,10 +84,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "at_start"):
             raise ValueError(f"cuda_graphs must be True, False or 'at_start', got {self.cuda_graphs!r}")
-        from .attention.dispatch import BACKENDS
-
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose from {BACKENDS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose from {ATTENTION_BACKENDS}")
 
 
 def available_host_memory() -> int:

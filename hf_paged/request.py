@@ -71,6 +71,10 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 

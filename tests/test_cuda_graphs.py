@@ -15,10 +15,10 @@ import pytest
 from hf_paged import SamplingParams
 from hf_paged.attention import dispatch
 from hf_paged.config import EngineConfig
-from hf_paged.cuda_graphs import (MAX_GRAPH_BATCH, MAX_GRAPH_CONTEXT, DecodeGraphRunner, DecodeGraphSettings,
+from hf_paged.engine.cuda_graphs import (MAX_GRAPH_BATCH, MAX_GRAPH_CONTEXT, DecodeGraphRunner, DecodeGraphSettings,
                                   PaddedDecode, batch_buckets, bucket_for)
 from hf_paged.engine import Engine
-from hf_paged.scheduler import ScheduledBatch
+from hf_paged.engine.scheduler import ScheduledBatch
 
 from conftest import cached_model
 

@@ -187,7 +187,7 @@ def test_engine_cuda_graphs_match_eager(monkeypatch, backend, dtype):
     padded path run without capture (same kernels, same shapes) and the engine without graphs (fp32: all; bf16: the
     padded batch changes GEMM shapes, so first tokens of every row and most rows entirely)."""
     import hf_paged
-    from hf_paged.cuda_graphs import DecodeGraphSettings
+    from hf_paged.engine.cuda_graphs import DecodeGraphSettings
     from hf_paged.tiny import tiny_model
 
     reason = dispatch._module(backend).unavailable_reason(torch.device("cuda"))

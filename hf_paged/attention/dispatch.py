@@ -12,6 +12,7 @@ import importlib
 
 import torch
 
+from ..config import ATTENTION_BACKENDS
 from .metadata import AttentionMetadata
 
 MODULES = {
@@ -22,7 +23,8 @@ MODULES = {
     "flash2": "hf_paged.attention.flash_backends.fa2",
     "flashinfer": "hf_paged.attention.flash_backends.flashinfer",
 }
-BACKENDS = ("auto", *MODULES)
+BACKENDS = ATTENTION_BACKENDS
+assert BACKENDS == ("auto", *MODULES), "config.ATTENTION_BACKENDS and the backend modules must list the same names"
 # "auto" on an accelerator tries these in order; on CPU it is the torch backend (with the native decode kernel)
 AUTO_ORDER = ("flash3", "flashinfer", "flash2", "cuda", "triton", "torch")
 

@@ -15,7 +15,7 @@ import torch
 from ..config import logger
 from ..engine import Engine
 from .generate_run import GenerateRun
-from .model_spec import describe_model
+from ..model import describe_model
 
 PAGED = "paged"
 # model kwargs the engine understands; anything else (images, inputs_embeds, the caller's own position_ids, ...)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 from ..config import logger
-from . import hf_attention
+from .. import model as paged_model
 
 SUPPORTED = ((5, 24), (6, 0))  # transformers >= 5.24 (the `cache` argument), < 6
 _patched: dict = {}  # the original generate while enabled; empty when disabled
@@ -36,7 +36,7 @@ def enable() -> None:
     def generate(self, *args, **kwargs):
         return paged_generate(original, self, args, kwargs)
 
-    hf_attention.register()
+    paged_model.register()
     GenerationMixin.generate = generate
     _patched["generate"] = original
 
@@ -48,7 +48,7 @@ def disable() -> None:
     from transformers.generation.utils import GenerationMixin
 
     GenerationMixin.generate = _patched.pop("generate")
-    hf_attention.unregister()
+    paged_model.unregister()
     logger.debug("hf_paged disabled")
 
 

@@ -1,11 +1,12 @@
 """The KV tensors: per layer, K and V shaped [num_blocks, block_size, num_kv_heads, head_dim]."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from ..config import logger
+logger = logging.getLogger("hf_paged")
 
 
 @dataclass(slots=True)

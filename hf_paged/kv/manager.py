@@ -1,9 +1,30 @@
 """Per-request block tables on top of the block pool, with prefix reuse."""
 from __future__ import annotations
 
-from ..request import Request
+from typing import Protocol
+
 from .block_pool import Block, BlockPool
 from .hashing import hash_block
+
+
+class Sequence(Protocol):
+    """What the manager reads and keeps per sequence (a `Request` is one). The manager owns `block_table`,
+    `block_hashes` and `num_published_blocks`; it only reads the token ids and `num_computed_tokens`."""
+
+    block_table: list[int]
+    block_hashes: list[bytes]
+    num_published_blocks: int
+    all_token_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def cache_salt(self) -> str | None: ...
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -32,15 +53,15 @@ class KVCacheManager:
         return self.pool.num_free_blocks
 
     # ---- prefix reuse ----------------------------------------------------------------------------
-    def _hashes(self, request: Request, count: int) -> list[bytes]:
+    def _hashes(self, request: Sequence, count: int) -> list[bytes]:
         """The chain keys of the request's first `count` full blocks (computed once, extended lazily)."""
         bs, keys, tokens = self.block_size, request.block_hashes, request.all_token_ids
         while len(keys) < count:
             i = len(keys)
-            keys.append(hash_block(keys[-1] if keys else None, tokens[i * bs:(i + 1) * bs], request.params.cache_salt))
+            keys.append(hash_block(keys[-1] if keys else None, tokens[i * bs:(i + 1) * bs], request.cache_salt))
         return keys
 
-    def computed_blocks(self, request: Request) -> list[Block]:
+    def computed_blocks(self, request: Sequence) -> list[Block]:
         """Cached blocks matching the request's leading full blocks. The last token is always left to compute
         so that there are logits to sample from."""
         if not self.enable_prefix_caching:
@@ -54,7 +75,7 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def common_prefix_blocks(self, request: Request, other: Request) -> int:
+    def common_prefix_blocks(self, request: Sequence, other: Sequence) -> int:
         """How many leading full prompt blocks two requests share (same salt, same tokens)."""
         bs = self.block_size
         count = min(request.num_prompt_tokens, other.num_prompt_tokens) // bs
@@ -66,25 +87,25 @@ class KVCacheManager:
             shared += 1
         return shared
 
-    def can_admit(self, request: Request, hits: list[Block]) -> bool:
+    def can_admit(self, request: Sequence, hits: list[Block]) -> bool:
         """Whether blocks for the whole of `request` fit, counting hits that would leave the free queue."""
         revived = sum(1 for block in hits if block.ref_count == 0)
         need = blocks_needed(request.num_tokens, self.block_size) - len(hits)
         return need <= self.pool.num_free_blocks - revived
 
-    def admit(self, request: Request, hits: list[Block]) -> None:
+    def admit(self, request: Sequence, hits: list[Block]) -> None:
         """Start the request's table with its prefix hits (their tokens count as computed)."""
         self.pool.touch(hits)
         request.block_table = [block.block_id for block in hits]
         request.num_computed_tokens = len(hits) * self.block_size
 
-    def count_lookup(self, request: Request) -> None:
+    def count_lookup(self, request: Sequence) -> None:
         """Hit / query counters, once per admission that went through."""
         if self.enable_prefix_caching:
             self.query_tokens += request.num_tokens
             self.hit_tokens += request.num_computed_tokens
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: Sequence) -> None:
         """Publish the request's newly completed blocks to the prefix map."""
         if not self.enable_prefix_caching:
             return
@@ -100,11 +121,11 @@ class KVCacheManager:
         request.num_published_blocks = full
 
     # ---- growth and release ------------------------------------------------------------------------
-    def num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
+    def num_new_blocks(self, request: Sequence, num_new_tokens: int) -> int:
         total = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, total - len(request.block_table)) + (1 if self._shared_write_block(request) else 0)
 
-    def _shared_write_block(self, request: Request) -> int | None:
+    def _shared_write_block(self, request: Sequence) -> int | None:
         """Index in the table of the block the next token goes to, if other requests share it."""
         index = request.num_computed_tokens // self.block_size
         table = request.block_table
@@ -112,7 +133,7 @@ class KVCacheManager:
             return index
         return None
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's table (one more reference on every block) and computed length."""
         self.pool.touch([self.pool.blocks[i] for i in parent.block_table])
         child.block_table = list(parent.block_table)
@@ -125,7 +146,7 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
+    def allocate_slots(self, request: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
         """Extend the table to hold `num_new_tokens` more tokens, keeping `reserve` blocks free; a block the
         request shares and is about to write is first replaced by a private copy.
         Returns False (and changes nothing) when the pool cannot cover it."""
@@ -150,12 +171,12 @@ class KVCacheManager:
         fresh, self._fresh = self._fresh, []
         return fresh
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Sequence) -> None:
         self.pool.free(request.block_table)
         request.block_table = []
         request.num_published_blocks = 0
 
-    def slot_mapping(self, request: Request, start: int, end: int) -> list[int]:
+    def slot_mapping(self, request: Sequence, start: int, end: int) -> list[int]:
         """Flat slot (block_id * block_size + offset) of token positions [start, end)."""
         bs, table = self.block_size, request.block_table
         return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]

@@ -67,8 +67,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import AttentionMetadata, SequenceGroupPlan, dispatch
-from .config import EngineConfig, logger
+from ..attention import AttentionMetadata, SequenceGroupPlan, dispatch
+from ..config import EngineConfig, logger
 
 CAPTURABLE_BACKENDS = ("cuda", "triton")
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound enough that launches do not matter: eager

@@ -5,11 +5,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata
+from ..attention import AttentionMetadata
 from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
-from .integrations.hf_attention import PagedForwardContext, paged_attention_active
-from .integrations.model_spec import ModelSpec
-from .kv import KVCache
+from ..model import PagedForwardContext, paged_attention_active
+from ..model import ModelSpec
+from ..kv import KVCache
 from .scheduler import ScheduledBatch
 
 

@@ -7,16 +7,16 @@ from typing import Any, Sequence
 
 import torch
 
-from .config import EngineConfig, default_kv_cache_bytes, default_swap_bytes, logger
-from .attention.dispatch import unavailable
-from .integrations.model_spec import describe_model
+from ..config import EngineConfig, default_kv_cache_bytes, default_swap_bytes, logger
+from ..attention.dispatch import unavailable
+from ..model import describe_model
 from .host_allocator import tune_host_allocator
-from .kv import KVCache, KVCacheManager, blocks_needed, choose_num_blocks
-from .kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
+from ..kv import KVCache, KVCacheManager, blocks_needed, choose_num_blocks
+from ..kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
 from .cuda_graphs import DecodeGraphSettings
-from .model_runner import ModelRunner
-from .request import CompletionOutput, Request, RequestOutput, RequestStatus
-from .sampling import SamplingParams, Sampler
+from .runner import ModelRunner
+from ..request import CompletionOutput, Request, RequestOutput, RequestStatus
+from ..sampling import SamplingParams, Sampler
 from .scheduler import PreemptionCosts, Scheduler
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .config import EngineConfig
-from .kv import KVCacheManager, blocks_needed
-from .kv.swap import SwapPool
-from .request import Request, RequestStatus
+from ..config import EngineConfig
+from ..kv import KVCacheManager, blocks_needed
+from ..kv.swap import SwapPool
+from ..request import Request, RequestStatus
 
 
 @dataclass(slots=True)

@@ -105,10 +105,12 @@ def test_half_precision(dtype, tol):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-def test_unknown_backend_is_a_clear_error():
+def test_unknown_or_unavailable_backend_is_a_clear_error():
     query, kc, vc, cu, ctx, tables, *_ = make_case([(1, 4)], 2, 1, 8, 8, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="not available here"):
+    with pytest.raises(ValueError, match="attention_backend 'cuda' cannot run on cpu: .*CUDA tensors"):
         paged_attention(query, kc, vc, cu, ctx, tables, backend="cuda")
+    with pytest.raises(ValueError, match="unknown attention backend 'flash4'"):
+        paged_attention(query, kc, vc, cu, ctx, tables, backend="flash4")
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")

@@ -16,6 +16,7 @@ import torch
 from test_attention import MIXED, make_case
 
 from hf_paged.attention import cuda_backend, why_not
+from hf_paged.attention.backends.cuda import CudaBackend
 from hf_paged.attention.metadata import AttentionMetadata
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -123,21 +124,25 @@ def _decode_case(head_dim=64, dtype=torch.float16, seqs=((1, 5), (1, 17))):
 
 def test_cuda_backend_reasons_on_cpu():
     query, kc, meta = _decode_case()
-    assert "CUDA tensors" in cuda_backend.unavailable_reason(torch.device("cpu"))
+    assert "CUDA tensors" in CudaBackend.unavailable_reason(torch.device("cpu"))
     assert "CUDA tensors" in why_not("cuda", query, kc, meta, None, None)
     if not torch.cuda.is_available():
         assert cuda_backend.prerequisites_missing() is not None
-        assert cuda_backend.unavailable_reason(torch.device("cuda")) == cuda_backend.prerequisites_missing()
-    assert cuda_backend.unsupported_reason(query, kc, meta, None, None) is None
-    assert cuda_backend.unsupported_reason(query, kc, meta, 4, 30.0) is None  # window and softcap: supported
+        assert CudaBackend.unavailable_reason(torch.device("cuda")) == cuda_backend.prerequisites_missing()
+    backend = CudaBackend()
+    assert not backend.prefill and backend.decode and backend.graph_capturable and not backend.fp8
+    assert backend.unsupported_reason(query, kc, meta, None, None) is None
+    assert backend.unsupported_reason(query, kc, meta, 4, 30.0) is None  # window and softcap: supported
+    assert "does not read scaled fp8 caches" in backend.unsupported_reason(query, kc.to(torch.float8_e4m3fn), meta,
+                                                                           None, None)
     query, kc, meta = _decode_case(seqs=MIXED)
-    assert "decode-only" in cuda_backend.unsupported_reason(query, kc, meta, None, None)
+    assert "decode-only" in backend.unsupported_reason(query, kc, meta, None, None)
     query, kc, meta = _decode_case(head_dim=96)
-    assert "head_dim" in cuda_backend.unsupported_reason(query, kc, meta, None, None)
+    assert "head_dim" in backend.unsupported_reason(query, kc, meta, None, None)
     query, kc, meta = _decode_case(dtype=torch.float64)
-    assert "float32 / float16 / bfloat16" in cuda_backend.unsupported_reason(query, kc, meta, None, None)
+    assert "float32 / float16 / bfloat16" in backend.unsupported_reason(query, kc, meta, None, None)
     query, kc, meta = _decode_case(dtype=torch.float32)
-    assert "KV cache" in cuda_backend.unsupported_reason(query, kc.half(), meta, None, None)
+    assert "KV cache" in backend.unsupported_reason(query, kc.half(), meta, None, None)
 
 
 def test_build_ahead_flag():

@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_attention import MIXED, make_case, reference
 
-from hf_paged.attention import paged_attention, why_not
-from hf_paged.attention.flash_backends import fa2, fa3, flashinfer
+from hf_paged.attention import choose_backends, paged_attention, why_not
+from hf_paged.attention.backends import fa2, fa3, flashinfer
 from hf_paged.attention.metadata import AttentionMetadata
 
 DECODES = [(1, n) for n in (1, 15, 16, 17, 40, 3, 33)]
@@ -210,8 +210,6 @@ def installed(monkeypatch):
             monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer(calls))
             monkeypatch.setattr(flashinfer, "cuda_device_reason", lambda *a, **k: None)
             monkeypatch.setattr(flashinfer, "WORKSPACE_BYTES", 1024)
-            monkeypatch.setattr(flashinfer, "_wrappers", {})
-            monkeypatch.setattr(flashinfer, "_workspaces", {})
         return calls
     return install
 
@@ -298,9 +296,9 @@ def test_fa2_rejects_pages_that_are_not_multiples_of_256(installed):
 
 def test_fa2_version_and_package_rules(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", fake_fa2([], version="2.5.9"))
-    assert "too old" in fa2.unavailable_reason(torch.device("cuda"))
+    assert "too old" in fa2.FlashAttention2Backend.unavailable_reason(torch.device("cuda"))
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
-    assert "pip install flash-attn" in fa2.unavailable_reason(torch.device("cuda"))
+    assert "pip install flash-attn" in fa2.FlashAttention2Backend.unavailable_reason(torch.device("cuda"))
 
 
 # ---- FlashInfer --------------------------------------------------------------------------------------------
@@ -343,16 +341,41 @@ def test_flashinfer_plans_once_per_step_and_configuration(installed):
     qlens = [q for q, _ in MIXED]
     slots = [t[p // 16] * 16 + p % 16 for t, (q, c) in zip(tables.tolist(), MIXED) for p in range(c - q, c)]
     meta = AttentionMetadata.build(qlens, ctx.tolist(), tables.tolist(), slots, 16, "cpu")
+    backend = flashinfer.FlashInferBackend()
     for layer in range(4):  # Gemma-2 style: sliding and global layers alternate within one step
         window = 8 if layer % 2 else None
-        out = flashinfer.paged_attention(query, kc, vc, meta, 0.125, window, 2.0)
+        out = backend.forward(query, kc, vc, meta, 0.125, window, 2.0)
         ref = reference(query, keys, values, qlens, 0.125, window, 2.0)
         torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     assert sum(c[0] == "plan" for c in calls) == 2 and sum(c[0] == "run" for c in calls) == 4
     assert sum(c[0] == "init" for c in calls) == 2  # one wrapper per configuration, kept across steps
+    assert len(backend.wrappers) == 2 and backend.workspace.numel() == 1024  # this object's state, one workspace
     meta2 = AttentionMetadata.build(qlens, ctx.tolist(), tables.tolist(), slots, 16, "cpu")
-    flashinfer.paged_attention(query, kc, vc, meta2, 0.125, None, 2.0)  # next step: planned again
+    backend.forward(query, kc, vc, meta2, 0.125, None, 2.0)  # next step: planned again
     assert sum(c[0] == "plan" for c in calls) == 3 and sum(c[0] == "init" for c in calls) == 2
+    flashinfer.FlashInferBackend().forward(query, kc, vc, meta2, 0.125, None, 2.0)  # another object: its own wrapper
+    assert sum(c[0] == "init" for c in calls) == 3
+
+
+@pytest.mark.parametrize("name, module, tables", [("flash3", fa3, "fa3_tables"), ("flash2", fa2, "fa2_tables")])
+def test_int32_tables_are_built_once_per_step_by_the_chooser_s_backend(installed, monkeypatch, name, module, tables):
+    """Through one chooser (as the engine runs it), every layer of a step reuses the tables the first layer built,
+    kept in the backend object; a new step's metadata builds them again."""
+    installed(name)
+    built = []
+    original = getattr(module, tables)
+    monkeypatch.setattr(module, tables, lambda meta: built.append(meta) or original(meta))
+    block = 256 if name == "flash2" else 16
+    seqs = [(1, 300), (9, 9), (5, 40)]
+    query, kc, vc, cu, ctx, tables_, *_ = make_case(seqs, 8, 2, 64, block, torch.float16, seed=2)
+    backends = choose_backends(name, "cpu")
+    steps = [AttentionMetadata.build([q for q, _ in seqs], ctx.tolist(), tables_.tolist(), [0] * 15, block, "cpu")
+             for _ in range(2)]
+    for meta in steps:
+        for _ in range(3):  # layers
+            backends.attend(query, kc, vc, meta, 0.125)
+    assert built == steps  # once per step, not per layer
+    assert backends.backend_for(query, kc, steps[0], None, None).tables.metadata is steps[1]
 
 
 # ---- shared rules ----------------------------------------------------------------------------------------------
@@ -368,11 +391,12 @@ def test_float32_and_odd_head_dims_are_unsupported(installed, name):
     query, kc, *_ = make_case([(1, 4)], 8, 2, 64, block, torch.float16, seed=0)
     assert why_not(name, query, kc, meta, None, None) is None
     assert "KV cache" in why_not(name, query, kc.to(torch.bfloat16), meta, None, None)
+    assert "does not read scaled fp8 caches" in why_not(name, query, kc.to(torch.float8_e4m3fn), meta, None, None)
 
 
-@pytest.mark.parametrize("name, module, package", [("flash3", fa3, "flash_attn_interface"),
-                                                   ("flash2", fa2, "flash_attn"),
-                                                   ("flashinfer", flashinfer, "flashinfer")])
+@pytest.mark.parametrize("name, module, package", [("flash3", fa3.FlashAttention3Backend, "flash_attn_interface"),
+                                                   ("flash2", fa2.FlashAttention2Backend, "flash_attn"),
+                                                   ("flashinfer", flashinfer.FlashInferBackend, "flashinfer")])
 def test_unavailable_reasons(monkeypatch, name, module, package):
     for other in fa3.PACKAGES:
         monkeypatch.setitem(sys.modules, other, None)

@@ -1,4 +1,4 @@
-"""The Triton backend (attention, store and block-copy kernels) against float64 / torch references, run by the
+"""The Triton backend (attention and store kernels) against float64 / torch references, run by the
 Triton interpreter on CPU (compiled, on a GPU machine), plus an ahead-of-time sm_90 compile of every kernel variant
 class the dispatcher picks."""
 import os
@@ -33,6 +33,7 @@ from test_attention import MIXED, make_case, reference
 
 from hf_paged.attention import AttentionMetadata, paged_attention, store_kv
 from hf_paged.attention import triton_backend as tb
+from hf_paged.attention.backends.triton_varlen import TritonBackend
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,15 +51,15 @@ def run_case(seqs, heads, kv_heads, head_dim, block_size, dtype=torch.float32, s
              num_splits=None, seed=0):
     case = make_case(seqs, heads, kv_heads, head_dim, block_size, dtype, seed)
     query, kc, vc, cu, ctx, tables = (t.to(DEVICE) for t in case[:6])
-    assert tb.unsupported_reason(query, kc, None, window, softcap) is None
-    out = tb.paged_attention(query, kc, vc, metadata_of(cu, ctx, tables, block_size), scale, window, softcap,
-                             num_splits=num_splits)
+    meta = metadata_of(cu, ctx, tables, block_size)
+    assert TritonBackend().unsupported_reason(query, kc, meta, window, softcap) is None
+    out = tb.paged_attention(query, kc, vc, meta, scale, window, softcap, num_splits=num_splits)
     assert out.dtype == dtype and out.shape == query.shape
     return out.cpu(), reference(case[0], case[6], case[7], [q for q, _ in seqs], scale, window, softcap)
 
 
 def test_backend_is_available():
-    assert tb.unavailable_reason(DEVICE) is None
+    assert TritonBackend.unavailable_reason(DEVICE) is None
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (8, 1), (16, 2)])  # MHA, GQA 4, MQA, GQA 8
@@ -158,17 +159,18 @@ def test_public_entry_point_and_strided_query():
 
 
 def test_reasons(monkeypatch):
-    query, kc, *_ = make_case([(1, 4)], 2, 1, 32, 8, torch.float32, seed=0)
-    ok = tb.unsupported_reason(query, kc, None, None, None)
-    assert ok is None
-    assert "block size" in tb.unsupported_reason(query, torch.zeros(3, 12, 1, 32), None, None, None)
-    assert "head dims" in tb.unsupported_reason(query[..., :8], kc[..., :8], None, None, None)
-    assert "float16" in tb.unsupported_reason(query.double(), kc.double(), None, None, None)
-    assert "match" in tb.unsupported_reason(query, kc.half(), None, None, None)
-    assert tb.unsupported_reason(query.bfloat16(), kc.to(FP8), None, None, None) is None
-    assert "float8_e4m3fn" in tb.unsupported_reason(query, kc.to(torch.float8_e5m2), None, None, None)
+    query, kc, _, cu, ctx, tables, *_ = make_case([(1, 4)], 2, 1, 32, 8, torch.float32, seed=0)
+    meta = metadata_of(cu, ctx, tables, 8)
+    backend = TritonBackend()
+    assert backend.unsupported_reason(query, kc, meta, None, None) is None
+    assert "block size" in backend.unsupported_reason(query, torch.zeros(3, 12, 1, 32), meta, None, None)
+    assert "head dims" in backend.unsupported_reason(query[..., :8], kc[..., :8], meta, None, None)
+    assert "float16" in backend.unsupported_reason(query.double(), kc.double(), meta, None, None)
+    assert "match" in backend.unsupported_reason(query, kc.half(), meta, None, None)
+    assert backend.unsupported_reason(query.bfloat16(), kc.to(FP8), meta, None, None) is None
+    assert "float8_e4m3fn" in backend.unsupported_reason(query, kc.to(torch.float8_e5m2), meta, None, None)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert tb.unavailable_reason(torch.device("cpu")) == "triton needs a CUDA device (or TRITON_INTERPRET=1)"
+    assert TritonBackend.unavailable_reason(torch.device("cpu")) == "triton needs a CUDA device (or TRITON_INTERPRET=1)"
 
 
 @pytest.mark.parametrize("key_dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
@@ -194,35 +196,6 @@ def test_store_kv_matches_torch(key_dtype, cache_dtype):
             assert torch.equal(got, want)
         else:  # the interpreter's fp32 -> bf16 cast rounds toward zero (GPUs round to nearest even): 1 ulp
             torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
-
-
-def test_copy_blocks():
-    gen = torch.Generator().manual_seed(1)
-    src = torch.randn(7, 8, 2, 16, generator=gen)
-    dst = torch.randn(5, 8, 2, 16, generator=gen)
-    expected = dst.clone()
-    expected[[4, 0, 2]] = src[[1, 6, 3]]
-    src, dst = src.to(DEVICE), dst.to(DEVICE)
-    tb.triton_copy_blocks(src, dst, [1, 6, 3], [4, 0, 2])  # between caches (e.g. swap)
-    assert torch.equal(dst.cpu(), expected)
-    # within one cache, K and V in one call (copy-on-write)
-    k, v = src.clone(), src.clone() * 2
-    want_k, want_v = k.clone(), v.clone()
-    want_k[[5, 0]], want_v[[5, 0]] = k[[2, 3]], v[[2, 3]]
-    tb.triton_copy_blocks([k, v], [k, v], torch.tensor([2, 3]), torch.tensor([5, 0]))
-    assert torch.equal(k, want_k) and torch.equal(v, want_v)
-    # a whole [layers, 2, num_blocks, ...] bf16 storage in one launch
-    storage = torch.randn(3, 2, 6, 8, 2, 16, generator=gen).bfloat16().to(DEVICE)
-    want = storage.clone()
-    want[:, :, [4, 5]] = storage[:, :, [0, 1]]
-    tb.triton_copy_blocks(storage, storage, [0, 1], [4, 5], block_dim=2)
-    assert torch.equal(storage, want)
-    fp8 = torch.randint(0, 256, (6, 8, 2, 16), dtype=torch.uint8, generator=gen)  # fp8 pages copy as bytes
-    want = fp8.clone()
-    want[[3, 0]] = fp8[[1, 5]]
-    fp8 = fp8.view(FP8).to(DEVICE)
-    tb.triton_copy_blocks(fp8, fp8, [1, 5], [3, 0])
-    assert torch.equal(fp8.cpu().view(torch.uint8), want)
 
 
 def test_kernel_configs_cover_dispatch():
@@ -285,10 +258,6 @@ COMPILE_SCRIPT = textwrap.dedent("""
             constexprs = dict(HEAD_DIM=head_dim, HEAD_PAD=pad, BLOCK_H=8, FP8=cache != dtype, SOFT_FP8=False)
             r = build(kernels.store_kv_kernel, sig, constexprs, {}, 4)
             results.append(dict(config=f"store {dtype} -> {cache} {head_dim}", **r))
-    names = kernels.copy_blocks_kernel.arg_names
-    sig = {n: "*fp16" if n in ("src_ptr", "dst_ptr") else "*i64" if n.endswith("_ptr") else "constexpr"
-           if n == "CHUNK" else "i32" for n in names}
-    results.append(dict(config="copy", **build(kernels.copy_blocks_kernel, sig, dict(CHUNK=4096), {}, 4)))
     print(json.dumps(results))
 """)
 
@@ -338,14 +307,14 @@ def background_sm90_compile(request, tmp_path_factory):
 
 def test_sm90_compile_all_variant_classes(tmp_path):
     """triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) of a representative variant per class
-    (HF_PAGED_COMPILE_ALL=1: all of kernel_configs()), plus the reduce / store / copy kernels; each must give
+    (HF_PAGED_COMPILE_ALL=1: all of kernel_configs()), plus the reduce and store kernels; each must give
     sm_90 PTX and a cubin within 227 KiB of shared memory. Registers / stack (spills) are printed with -s.
     Runs in a subprocess: under TRITON_INTERPRET=1 @triton.jit gives interpreter functions, not compilable ones."""
     proc, chosen = COMPILE.pop("run", None) or _start_compile(str(tmp_path))
     stdout, stderr = proc.communicate(timeout=3600 if os.environ.get("HF_PAGED_COMPILE_ALL") == "1" else 900)
     assert proc.returncode == 0, stderr[-4000:]
     results = json.loads(stdout.strip().splitlines()[-1])
-    assert len(results) == len(chosen) + 3 * 3 * 3 + 1
+    assert len(results) == len(chosen) + 3 * 3 * 3
     for r in results:
         print(f"{r['config']}: regs {r['regs']} stack {r['stack']} shared {r['shared']}")
         assert r["ptx"] and r["cubin"] > 0, r

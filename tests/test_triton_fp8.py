@@ -10,6 +10,7 @@ from test_attention import MIXED, make_case, reference
 
 from hf_paged.attention import paged_attention, store_kv
 from hf_paged.attention import triton_backend as tb
+from hf_paged.attention.backends.triton_varlen import TritonBackend
 from hf_paged.attention.torch_backend import quantize
 
 
@@ -30,7 +31,7 @@ def run_fp8_case(seqs, heads, kv_heads, head_dim, block_size, dtype=torch.float3
     vq = quantize(vc * V_GAIN, FP8, V_SCALE)
     query = query.to(dtype)
     meta = metadata_of(*(t.to(DEVICE) for t in (cu, ctx, tables)), block_size)
-    assert tb.unsupported_reason(query.to(DEVICE), kq.to(DEVICE), None, window, softcap) is None
+    assert TritonBackend().unsupported_reason(query.to(DEVICE), kq.to(DEVICE), meta, window, softcap) is None
     out = tb.paged_attention(query.to(DEVICE), kq.to(DEVICE), vq.to(DEVICE), meta, scale, window, softcap,
                              num_splits=num_splits, kv_scales=(K_SCALE, V_SCALE))
     assert out.dtype == dtype and out.shape == query.shape

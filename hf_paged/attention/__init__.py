@@ -1,12 +1,14 @@
-"""Paged attention: metadata and backends behind one functional entry point. Knows nothing about scheduling."""
+"""Paged attention: metadata, backend objects and the chooser behind one functional entry point. Knows nothing
+about scheduling."""
 from __future__ import annotations
 
 import torch
 
+from .backends import AttentionBackend
 from .cpu_kernel import cpu_kernel_status
-from .dispatch import BACKENDS, select, why_not
+from .dispatch import BACKENDS, AttentionBackends, choose_backends, unavailable, why_not
 from .metadata import AttentionMetadata, SequenceGroupPlan
-from .torch_backend import store_kv, torch_paged_attention
+from .torch_backend import store_kv
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -25,33 +27,28 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     `key` / `value` (the new tokens' K/V, [T, H_kv, D], already stored) let the torch backend skip re-reading pages.
     `kv_scales`: (k_scale, v_scale) of an fp8 cache (stored = value / scale).
     `strict=False`: a named backend that does not cover this particular call gives way to "auto".
+    Each call chooses afresh; a caller making many calls keeps one `choose_backends(...)` and calls its `attend`.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
+    backends = choose_backends(backend, query.device, strict=strict)
     if metadata is None:
         if cu_seqlens_q is None or context_lens is None or block_tables is None:
             raise ValueError("paged_attention needs either metadata or cu_seqlens_q, context_lens and block_tables")
-        cu = cu_seqlens_q.tolist()
-        query_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        block_size = key_cache.shape[1]
-        tables = block_tables.tolist()
-        contexts = context_lens.tolist()
-        slots = [table[p // block_size] * block_size + p % block_size
-                 for table, q, c in zip(tables, query_lens, contexts) for p in range(c - q, c)]
-        metadata = AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, query.device)
-    module = select(backend, query, key_cache, metadata, sliding_window, softcap, strict)
-    if module.__name__.endswith("torch_backend"):
-        return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key,
-                                     value, native_decode=backend == "auto", kv_scales=kv_scales)
-    if module.__name__.endswith("triton_backend"):  # reads scaled fp8 caches itself
-        return module.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap,
-                                      kv_scales=kv_scales)
-    if key_cache.dtype.itemsize == 1 and kv_scales != (1.0, 1.0):
-        raise ValueError(f"{module.__name__} does not read scaled fp8 caches; use the torch or triton backend")
-    return module.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap)
+        metadata = _metadata_of(cu_seqlens_q, context_lens, block_tables, key_cache.shape[1], query.device)
+    return backends.attend(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
+                           kv_scales)
+
+
+def _metadata_of(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                 block_size: int, device: torch.device) -> AttentionMetadata:
+    """The metadata of raw varlen tensors (slots: where each sequence's last query_len positions live)."""
+    cu = cu_seqlens_q.tolist()
+    query_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    tables = block_tables.tolist()
+    contexts = context_lens.tolist()
+    slots = [table[p // block_size] * block_size + p % block_size
+             for table, q, c in zip(tables, query_lens, contexts) for p in range(c - q, c)]
+    return AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, device)
 
 
 __all__ = ["AttentionMetadata", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS", "cpu_kernel_status",
-           "why_not"]
+           "why_not", "unavailable", "AttentionBackend", "AttentionBackends", "choose_backends"]

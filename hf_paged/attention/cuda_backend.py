@@ -1,19 +1,20 @@
-"""CUDA C++ paged-attention backend: the kernels in csrc/ (see attention/dispatch.py for the module contract).
+"""The CUDA C++ extension: the kernels in csrc/, built, loaded and called (the `cuda` backend,
+attention/backends/cuda.py, holds its support rules and calls `paged_attention`).
 
 The extension is built on first use with `torch.utils.cpp_extension.load` (nvcc + ninja; without ninja, or when
 cpp_extension refuses the toolkit, nvcc and c++ are called directly) into `$HF_PAGED_CACHE_DIR/cuda/<hash of the
 sources>` (default ~/.cache/hf_paged/cuda), so later processes only load the built library. The sources are read
-from `HF_PAGED_CSRC`, else the copy a wheel carries (`hf_paged/_csrc`), else the repository's csrc/ folder. It
-serves decode-only steps (`metadata.max_query_len == 1`); steps with prefills are left to the other backends by
-`unsupported_reason`.
+from `HF_PAGED_CSRC`, else the copy a wheel carries (`hf_paged/_csrc`), else the repository's csrc/ folder. The
+decode kernel serves decode-only steps (`metadata.max_query_len == 1`).
 
 Building ahead of time: `HF_PAGED_BUILD_CUDA=1 pip install --no-build-isolation .` compiles the extension into
 the installed package (`hf_paged/_prebuilt`, see setup.py); at run time `HF_PAGED_BUILD_CUDA=1` builds (or loads)
 it when this module is imported instead of on the first attention call, and
 `python -m hf_paged.attention.cuda_backend` does the same and prints the status.
 
-Besides the backend contract: `store_kv` (reshape_and_cache into the NHD pages), `copy_blocks` (copy-on-write block
-copies on the device, and host <-> device swaps from pinned host memory in one launch) and `decode_plan`.
+Besides `paged_attention` (the decode kernel): `copy_blocks` (copy-on-write block copies on the device, and host <->
+device swaps from pinned host memory in one launch; benchmarks/gpu_bench.py measures it against kv/swap.py's copies)
+and `decode_plan` (the partition plan the decode kernel would use).
 """
 from __future__ import annotations
 
@@ -188,31 +189,14 @@ def _ops():
     return torch.ops.hf_paged
 
 
-# ---- backend contract ------------------------------------------------------------------------------------
+# ---- the kernels ------------------------------------------------------------------------------------------
 def unavailable_reason(device: torch.device) -> str | None:
+    """Why the kernels cannot run on `device` (None: the extension is loaded and the device is a CUDA one)."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"the CUDA kernels run on CUDA tensors only (tensors are on {device.type})"
     status = extension_status()
     return None if status == "loaded" else status
-
-
-def unsupported_reason(query, key_cache, metadata: AttentionMetadata, sliding_window, softcap) -> str | None:
-    if metadata.max_query_len != 1:
-        return (f"the CUDA kernel serves decode-only steps (max_query_len == 1); this step has prefills "
-                f"(max_query_len={metadata.max_query_len})")
-    if query.dtype not in DTYPES:
-        return f"the CUDA kernel takes float32 / float16 / bfloat16 queries, got {query.dtype}"
-    if key_cache.dtype != query.dtype:
-        return f"the CUDA kernel needs the KV cache in the query dtype ({key_cache.dtype} cache, {query.dtype} query)"
-    head_dim = query.shape[-1]
-    if head_dim not in HEAD_DIMS:
-        return f"the CUDA kernel is built for head_dim {HEAD_DIMS}, got {head_dim}"
-    if query.shape[1] % key_cache.shape[2]:
-        return f"query heads ({query.shape[1]}) must be a multiple of KV heads ({key_cache.shape[2]})"
-    if query.stride(-1) != 1 or key_cache.stride(-1) != 1:
-        return "the CUDA kernel needs a contiguous head_dim in query and cache"
-    return None
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -228,15 +212,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
-
-# ---- other kernels ----------------------------------------------------------------------------------------
-def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' K/V ([T, H_kv, D], any row strides) into their flat slots of the NHD pages.
-    Negative slots are skipped."""
-    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-    _ops().store_kv(key, value, key_cache, value_cache, slot_mapping.to(torch.int64).contiguous())
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids, dst_ids, block_dim: int = 2) -> None:

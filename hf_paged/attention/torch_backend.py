@@ -1,4 +1,6 @@
-"""Reference paged attention in plain torch: works on any device and dtype.
+"""Reference paged attention in plain torch: works on any device and dtype (the `torch` backend,
+attention/backends/torch_sdpa.py, calls `torch_paged_attention`). Also the cache write every backend relies on:
+`store_kv` (with fp8 `quantize`).
 
 Dense groups (see `SequenceGroupPlan`): gather the group's pages into [G, L, H_kv, D] with one
 index_select per cache, attend with a bool mask through SDPA (GQA without repeating K/V), and scatter
@@ -109,21 +111,6 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     else:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=True)
     return out[0].transpose(0, 1)
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    return None  # plain torch runs wherever the tensors are
-
-
-def unsupported_reason(query, key_cache, metadata, sliding_window, softcap) -> str | None:
-    return None
-
-
-def paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window=None, softcap=None,
-                    key=None, value=None, native_decode=False, kv_scales=(1.0, 1.0)):
-    """Backend entry point (see attention/dispatch.py)."""
-    return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
-                                 native_decode, kv_scales)
 
 
 def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -1,10 +1,12 @@
-"""Triton paged-attention backend (see attention/dispatch.py for the module contract).
+"""Triton paged attention: kernel variants, the split-KV rule and the launcher (`paged_attention`) behind the `triton`
+backend (attention/backends/triton_varlen.py, which holds its support rules).
 
 One unified varlen kernel serves decodes, fresh prompts and chunked prefills in a single launch: a program is
 (query tile of one sequence, KV head[, KV split]); its rows pack the query tokens x query heads of that KV head's
 GQA group, so each K/V tile is read once per group. Decode-only batches with long contexts and too few
 (sequence, KV head) programs to fill the GPU split each sequence's KV range over several programs, and a small
-second kernel combines their partial softmax states. Also: `triton_store_kv` and `triton_copy_blocks`.
+second kernel combines their partial softmax states. Also `triton_store_kv`, the cache write as one kernel (the
+engine stores with torch's `store_kv`; this one is kept for its byte-exact fp8 quantization, tested against it).
 FP8 (float8_e4m3fn) caches with per-layer (k_scale, v_scale) are read and written by the same kernels.
 
 Kernels live in triton_kernels.py; they are interpreter functions when TRITON_INTERPRET=1 was set before that
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,10 @@ try:
     import triton
 
     from . import triton_kernels as kernels
-    _IMPORT_ERROR = None
+    IMPORT_ERROR = None
 except ImportError as e:  # optional dependency: the backend reports itself unavailable
     triton = kernels = None
-    _IMPORT_ERROR = f"triton is not installed ({e}); pip install 'hf_paged[triton]'"
+    IMPORT_ERROR = f"triton is not installed ({e}); pip install 'hf_paged[triton]'"
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 FP8 = torch.float8_e4m3fn  # the scaled fp8 cache dtype (torch_backend.quantize); triton calls it fp8e4nv
@@ -47,43 +48,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """Whether the kernels were defined as interpreter functions (TRITON_INTERPRET=1 at their import)."""
     return kernels is not None and not isinstance(kernels.paged_attention_kernel, triton.runtime.JITFunction)
-
-
-def unavailable_reason(device: torch.device) -> str | None:
-    if _IMPORT_ERROR is not None:
-        return _IMPORT_ERROR
-    if torch.device(device).type == "cuda":
-        return None if not _interpreted() else "triton kernels were defined in interpreter mode (TRITON_INTERPRET=1)"
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return "triton needs a CUDA device (or TRITON_INTERPRET=1)"
-    if not _interpreted():
-        return "TRITON_INTERPRET=1 was set after the triton kernels were defined (set it before importing hf_paged)"
-    return None
-
-
-def unsupported_reason(query, key_cache, metadata, sliding_window, softcap) -> str | None:
-    if query.dtype not in DTYPES:
-        return f"triton backend supports float16 / bfloat16 / float32, not {query.dtype}"
-    if key_cache.dtype not in (query.dtype, FP8):
-        return f"triton backend needs the cache dtype ({key_cache.dtype}) to match the queries ({query.dtype}) " \
-               "or to be torch.float8_e4m3fn"
-    block_size = key_cache.shape[1]
-    if block_size < 8 or block_size & (block_size - 1):
-        return f"triton backend needs a power-of-two block size >= 8, not {block_size}"
-    head_dim = query.shape[-1]
-    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM or head_dim % 8:
-        return f"triton backend supports head dims {MIN_HEAD_DIM}..{MAX_HEAD_DIM} in steps of 8, not {head_dim}"
-    heads, kv_heads = query.shape[1], key_cache.shape[2]
-    if heads % kv_heads or heads // kv_heads > MAX_HEADS_PER_KV:
-        return f"triton backend needs query heads ({heads}) a multiple of KV heads ({kv_heads}), at most " \
-               f"{MAX_HEADS_PER_KV} per KV head"
-    if query.stride(-1) != 1 or key_cache.stride(-1) != 1:
-        return "triton backend needs the head dim contiguous in queries and caches"
-    if key_cache.device != query.device:
-        return "triton backend needs queries and caches on one device"
-    return None
 
 
 @dataclass(frozen=True)
@@ -226,7 +193,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     fp8 = key_cache.dtype == FP8
     k_scale, v_scale = (float(kv_scales[0]), float(kv_scales[1])) if fp8 else (1.0, 1.0)
     # numpy has neither bfloat16 nor fp8 (the interpreter carries raw bits), so interpreted kernels upcast to fp32
-    upcast = _interpreted() and (query.dtype == torch.bfloat16 or fp8)
+    upcast = interpreted() and (query.dtype == torch.bfloat16 or fp8)
     if cfg.split:
         part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
@@ -274,37 +241,4 @@ def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Ten
         float(k_scale), float(v_scale), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_H=block_h, FP8=fp8, SOFT_FP8=fp8 and _interpreted(), num_warps=4)
-
-
-def triton_copy_blocks(src, dst, src_ids, dst_ids, block_dim: int = 0) -> None:
-    """Copy whole blocks src[..., src_ids[i], ...] -> dst[..., dst_ids[i], ...] on the GPU, one launch per tensor pair.
-
-    `src` / `dst`: tensors (or equal-length lists of them, e.g. every layer's K and V) whose dim `block_dim` is the
-    block index: [num_blocks, block_size, H_kv, D] caches (block_dim=0) or a [layers, 2, num_blocks, ...] storage
-    (block_dim=2, all layers in one launch). Dims after `block_dim` must be contiguous, dims before it collapsible.
-    Ids: lists or int tensors. Within one tensor, no dst id may also be a src id (copies run in parallel)."""
-    srcs, dsts = (list(src), list(dst)) if isinstance(src, (list, tuple)) else ([src], [dst])
-    if len(srcs) != len(dsts):
-        raise ValueError("triton_copy_blocks needs as many destinations as sources")
-    if not srcs or len(src_ids) == 0:
-        return
-    device = srcs[0].device
-    src_ids = torch.as_tensor(src_ids, dtype=torch.int64, device=device)
-    dst_ids = torch.as_tensor(dst_ids, dtype=torch.int64, device=device)
-    if src_ids.shape != dst_ids.shape:
-        raise ValueError("triton_copy_blocks needs as many dst_ids as src_ids")
-    for s, d in zip(srcs, dsts):
-        if s.dtype != d.dtype or s.shape[block_dim + 1:] != d.shape[block_dim + 1:] or \
-                s.shape[:block_dim] != d.shape[:block_dim]:
-            raise ValueError("triton_copy_blocks needs source and destination blocks of one shape and dtype")
-        lead = s.shape[:block_dim].numel()
-        try:  # views, never copies: [lead, blocks, block elements]
-            s2, d2 = (t.view(lead, t.shape[block_dim], -1) for t in (s, d))
-        except RuntimeError as e:
-            raise ValueError(f"triton_copy_blocks needs each block's elements contiguous: {e}") from e
-        block_numel = s2.shape[-1]
-        chunk = min(4096, _pow2(block_numel))
-        grid = (src_ids.numel(), s2.shape[0], triton.cdiv(block_numel, chunk))
-        kernels.copy_blocks_kernel[grid](s2, d2, src_ids, dst_ids, block_numel, s2.stride(0), s2.stride(1),
-                                         d2.stride(0), d2.stride(1), CHUNK=chunk, num_warps=4)
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_H=block_h, FP8=fp8, SOFT_FP8=fp8 and interpreted(), num_warps=4)

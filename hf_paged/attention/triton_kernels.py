@@ -258,18 +258,3 @@ def store_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_map
              _to_cache(k, k_scale, key_cache_ptr, FP8, SOFT_FP8), mask=mask)
     tl.store(value_cache_ptr + block * stride_cvb + offset * stride_cvs + heads[:, None] * stride_cvh + dims[None, :],
              _to_cache(v, v_scale, value_cache_ptr, FP8, SOFT_FP8), mask=mask)
-
-
-@triton.jit
-def copy_blocks_kernel(src_ptr, dst_ptr, src_ids_ptr, dst_ids_ptr, block_numel, stride_src_lead, stride_src_block,
-                       stride_dst_lead, stride_dst_block, CHUNK: tl.constexpr):
-    """Program (pair i, leading index l, chunk c): CHUNK elements of block src_ids[i] -> dst_ids[i]
-    (each block's [block_size, H_kv, D] elements contiguous)."""
-    i = tl.program_id(0)
-    lead = tl.program_id(1).to(tl.int64)
-    src = tl.load(src_ids_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ids_ptr + i).to(tl.int64)
-    offs = tl.program_id(2).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < block_numel
-    x = tl.load(src_ptr + lead * stride_src_lead + src * stride_src_block + offs, mask=mask)
-    tl.store(dst_ptr + lead * stride_dst_lead + dst * stride_dst_block + offs, x, mask=mask)

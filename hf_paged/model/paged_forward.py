@@ -5,7 +5,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 
-from ..attention import AttentionMetadata, paged_attention, store_kv
+from ..attention import AttentionBackends, AttentionMetadata, store_kv
 from ..kv import KVCache
 
 ATTENTION_NAME = "paged"
@@ -13,11 +13,12 @@ ATTENTION_NAME = "paged"
 
 @dataclass(slots=True)
 class PagedForwardContext:
-    """Travels through the model's forward kwargs (`paged_context=`) down to every attention call."""
+    """Travels through the model's forward kwargs (`paged_context=`) down to every attention call. `backends`: the
+    engine's chooser (made once per engine), which names the backend object each layer's call runs on."""
 
     metadata: AttentionMetadata
     kv_cache: KVCache
-    backend: str = "torch"
+    backends: AttentionBackends
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -34,9 +35,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     scales = cache.scales_for(layer, k, v)
     store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping, *scales)
-    out = paged_attention(q, cache.key_caches[layer], cache.value_caches[layer], metadata=meta, scale=scaling,
-                          sliding_window=sliding_window, softcap=softcap, backend=paged_context.backend,
-                          key=k, value=v, kv_scales=scales, strict=False)
+    out = paged_context.backends.attend(q, cache.key_caches[layer], cache.value_caches[layer], meta, scaling,
+                                        sliding_window, softcap, key=k, value=v, kv_scales=scales)
     return out[None], None
 
 

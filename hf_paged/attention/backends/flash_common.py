@@ -1,7 +1,7 @@
-"""Paged-attention backends on external kernel libraries: FlashAttention-3 (`fa3`), FlashAttention-2 (`fa2`) and
-FlashInfer (`flashinfer`). Each module follows the contract in attention/dispatch.py, imports its library only when
-asked (`unavailable_reason` names the missing package) and builds the library's arguments in a pure function
-(`fa3_arguments`, `fa2_arguments`, `flashinfer_arguments`) that tests check without a GPU.
+"""What the backends on external kernel libraries share: FlashAttention-3 (`fa3.py`), FlashAttention-2 (`fa2.py`)
+and FlashInfer (`flashinfer.py`). Each imports its library only when asked (`unavailable_reason` names the missing
+package) and builds the library's arguments in a pure function (`fa3_arguments`, `fa2_arguments`,
+`flashinfer_arguments`) that tests check without a GPU.
 
 All three read the NHD pages of hf_paged/kv/cache.py in place ([num_blocks, block_size, H_kv, D] per layer and
 K / V); the block tables, context lengths and cu_seqlens of `AttentionMetadata` are int32 already.
@@ -69,19 +69,3 @@ def window_left(sliding_window: int | None) -> int:
 
 def as_int32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
-
-
-class PerStep:
-    """Values derived from one step's metadata, computed by the first layer and reused by the others
-    (the metadata object is rebuilt every step, so identity marks the step)."""
-
-    def __init__(self):
-        self._metadata = None
-        self._values: dict = {}
-
-    def get(self, metadata, key, build):
-        if self._metadata is not metadata:
-            self._metadata, self._values = metadata, {}
-        if key not in self._values:
-            self._values[key] = build()
-        return self._values[key]

@@ -104,10 +104,11 @@ def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=device)[None, :]
-    drop = ranks >= top_k[:, None]
+    # top-k first: top-p and min-p see the renormalized top-k distribution (HF's and vLLM's order)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # keep a token while the mass strictly before it is < top_p (the top token always survives)
-    drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     drop |= probs < (min_p[:, None] * probs[:, :1])
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

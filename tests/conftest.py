@@ -1,7 +1,18 @@
-"""Shared helpers: parity with HF generate on tiny random-weight models (built from configs, no downloads)."""
+"""Shared helpers: parity with HF generate on tiny random-weight models (built from configs, no downloads).
+
+Forgiven divergences are bounded: a paged row may differ from HF only after a step where HF's own top-2 logit
+margin was below MARGIN (a near tie that float rounding may flip), at most MAX_FORGIVEN_PER_CALL rows in one
+`assert_same_as_hf` call (that call fails beyond it) and at most MAX_FORGIVEN_PER_SESSION in the whole session
+(checked in `pytest_sessionfinish`, which then makes the session fail). Today the suite forgives none.
+
+Without a CUDA device the GPU-only tests (every test marked `gpu`: all of tests/test_gpu.py, by its `pytestmark`)
+are deselected at collection instead of reported as hundreds of skips; the terminal summary says in one line how
+many were left out. (Interpreted-Triton and sm_90 / nvcc compile tests run on CPU and stay collected.)
+"""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -11,7 +22,12 @@ from hf_paged.integrations.generate_run import GenerateRun
 from hf_paged.tiny import tiny_model
 
 MARGIN = 1e-3  # a divergence is forgiven only where HF's own top-2 logit margin was below this
+MAX_FORGIVEN_PER_CALL = 1  # rows of one assert_same_as_hf call that may diverge on a near tie
+MAX_FORGIVEN_PER_SESSION = 2  # the same, over the whole session
 FORGIVEN: list[str] = []
+
+HAS_CUDA = torch.cuda.is_available()
+GPU_NOT_COLLECTED: list[str] = []  # node ids of the `gpu` tests deselected for want of a CUDA device
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,14 +70,15 @@ def left_padded_batch(lengths: list[int], vocab: int = 256, seed: int = 0, pad: 
 def assert_same_as_hf(model, ids, mask, paged_kwargs=None, **gen_kwargs):
     """Run HF generate and the paged take-over on the same inputs and compare token for token.
 
-    A row may differ only after a step where HF's own top-2 logit margin was < MARGIN (counted in FORGIVEN).
-    Returns the paged output.
+    A row may differ only after a step where HF's own top-2 logit margin was < MARGIN (counted in FORGIVEN), and
+    at most MAX_FORGIVEN_PER_CALL rows may. Returns the paged output.
     """
     ref = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_logits=True, **gen_kwargs)
     out = model.generate(ids, attention_mask=mask, cache_implementation="paged", **(paged_kwargs or {}), **gen_kwargs)
     expected = ref.sequences
     assert out.shape == expected.shape, f"shape {tuple(out.shape)} != HF {tuple(expected.shape)}"
     prompt_len = ids.shape[1]
+    forgiven = []
     for row in range(expected.shape[0]):
         diff = (out[row] != expected[row]).nonzero()
         if len(diff) == 0:
@@ -72,11 +89,37 @@ def assert_same_as_hf(model, ids, mask, paged_kwargs=None, **gen_kwargs):
         margin = float(top2[0] - top2[1])
         assert margin < MARGIN, (f"row {row} diverges at new token {first - prompt_len} where HF's margin was "
                                  f"{margin:.4f}:\npaged {out[row].tolist()}\nHF    {expected[row].tolist()}")
-        FORGIVEN.append(f"row {row} step {first - prompt_len} margin {margin:.2e}")
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        forgiven.append(f"{test}: row {row} step {first - prompt_len} margin {margin:.2e}")
+    FORGIVEN.extend(forgiven)
+    assert len(forgiven) <= MAX_FORGIVEN_PER_CALL, (
+        f"{len(forgiven)} rows diverge from HF on near ties (margin < {MARGIN}) in one call, more than the "
+        f"{MAX_FORGIVEN_PER_CALL} allowed: {forgiven}")
     return out
 
 
+def pytest_collection_modifyitems(config, items):
+    """Without CUDA, tests marked `gpu` (all of tests/test_gpu.py, by its `pytestmark`) are deselected, not skipped."""
+    if HAS_CUDA:
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+    GPU_NOT_COLLECTED.extend(item.nodeid for item in gpu)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """More forgiven divergences than MAX_FORGIVEN_PER_SESSION fail the session, even if every test passed."""
+    if len(FORGIVEN) > MAX_FORGIVEN_PER_SESSION and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter):
+    if GPU_NOT_COLLECTED:
+        terminalreporter.write_line(f"hf_paged: {len(GPU_NOT_COLLECTED)} GPU-only tests not collected (no CUDA device)")
     if FORGIVEN:
-        terminalreporter.write_line(f"hf_paged parity: {len(FORGIVEN)} divergence(s) forgiven (HF top-2 margin < "
-                                    f"{MARGIN}): {FORGIVEN}")
+        over = len(FORGIVEN) > MAX_FORGIVEN_PER_SESSION
+        terminalreporter.write_line(
+            f"hf_paged parity: {'FAILED: ' if over else ''}{len(FORGIVEN)} divergence(s) forgiven (HF top-2 margin "
+            f"< {MARGIN}; at most {MAX_FORGIVEN_PER_SESSION} allowed per session): {FORGIVEN}", red=over)

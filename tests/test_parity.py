@@ -16,12 +16,15 @@ def test_left_padded_mixed_lengths(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2"])
-def test_small_blocks_and_forced_preemption(arch):
+def test_small_blocks_and_forced_preemption(arch, engine_runs):
     """A pool far smaller than the batch needs: requests are preempted and recomputed, results unchanged."""
     model = cached_model(arch)
     ids, mask = left_padded_batch(LENGTHS, seed=2)
     assert_same_as_hf(model, ids, mask, paged_kwargs={"cache_config": {"block_size": 4, "num_blocks": 14}},
                       max_new_tokens=24, do_sample=False)
+    assert len(engine_runs) == 1, f"expected the paged call to run on the engine once, got {len(engine_runs)}"
+    preemptions = engine_runs[0].engine.stats()["num_preemptions"]
+    assert preemptions > 0, f"{arch}: no request was preempted, so the pool was not small enough to test preemption"
 
 
 def test_chunked_prefill_small_budget():

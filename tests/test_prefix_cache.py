@@ -83,8 +83,9 @@ def test_colliding_hash_still_gives_correct_output(llama, monkeypatch):
     monkeypatch.setattr(hashing, "hash_block", lambda parent, tokens, salt: b"same-key-always!")
     monkeypatch.setattr("hf_paged.kv.manager.hash_block", lambda parent, tokens, salt: b"same-key-always!")
     llm = LLM(llama, block_size=8)
-    got = [llm.generate([p], params, use_tqdm=False)[0].token_ids for p in repeated]
-    assert got == expected
+    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in repeated]
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.num_cached_tokens for o in outs) > 0, "no prefix hit at all: the colliding keys were never looked up"
     llm.engine.check_idle()
 
 
@@ -163,21 +164,28 @@ def test_full_swap_space_falls_back_to_recompute(llama):
 
 
 def test_priority_decides_who_is_preempted(llama):
-    """The request with the larger priority value is preempted first, whatever its arrival."""
-    llm = LLM(llama, block_size=4, num_blocks=24, preemption_mode="recompute")
+    """The request with the larger priority value is preempted first, whatever its arrival (without priorities
+    `later`, the newest, would go first); every request still finishes with the tokens of an unpreempted run."""
+    prompts = [SYSTEM[:30], SYSTEM[10:40], SYSTEM[20:50]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    important = llm.add_request(SYSTEM[:30], params, priority=0)
-    background = llm.add_request(SYSTEM[10:40], params, priority=5)
-    later = llm.add_request(SYSTEM[20:50], params, priority=0)
-    preempted = []
+    llm = LLM(llama, block_size=4, num_blocks=24, preemption_mode="recompute")
+    important = llm.add_request(prompts[0], params, priority=0)
+    background = llm.add_request(prompts[1], params, priority=5)
+    later = llm.add_request(prompts[2], params, priority=0)
+    preempted, finished = [], {}
+
+    def preemptions():
+        return {rid: sum(r.num_preemptions for r in group.samples) for rid, group in llm.engine.groups.items()}
+
     while llm.has_unfinished_requests():
-        before = {r.request_id: r.num_preemptions for r in llm.engine.requests.values()}
-        llm.step()
-        preempted += [rid for rid, r in llm.engine.requests.items() if r.num_preemptions > before.get(rid, 0)]
+        before = preemptions()
+        finished.update((out.request_id, out.token_ids) for out in llm.step() if out.finished)
+        preempted += [rid for rid, count in preemptions().items() if count > before.get(rid, 0)]
     assert preempted and preempted[0] == background
     assert important not in preempted
     llm.engine.check_idle()
-    assert later
+    roomy, _ = run(llama, prompts, params, block_size=4)
+    assert [finished.get(rid) for rid in (important, background, later)] == roomy
 
 
 def test_burst_waits_for_the_shared_prefix_instead_of_recomputing_it(llama):

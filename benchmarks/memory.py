@@ -155,7 +155,7 @@ def paged_worker(model, prompts, gens, budget: int, block_size: int) -> dict:
     for p, g in zip(prompts, gens):
         llm.add_request(p, hf_paged.SamplingParams(max_tokens=g, temperature=0.0, ignore_eos=True))
     running, waiting, computed, slots, used_blocks, mismatches = [], [], [], [], [], 0
-    total_blocks = engine.kv.pool.num_blocks
+    total_blocks = engine.scheduler.kv.pool.num_blocks
     finished = generated = 0
     start = time.perf_counter()
     while llm.has_unfinished_requests():
@@ -165,7 +165,7 @@ def paged_worker(model, prompts, gens, budget: int, block_size: int) -> dict:
                 generated += len(out.token_ids)
         reqs = engine.scheduler.running
         n_blocks = sum(len(r.block_table) for r in reqs)
-        mismatches += n_blocks != total_blocks - engine.kv.pool.num_free_blocks  # nothing else may hold blocks
+        mismatches += n_blocks != total_blocks - engine.scheduler.kv.pool.num_free_blocks  # nothing else may hold blocks
         running.append(len(reqs))
         waiting.append(len(engine.scheduler.waiting))
         computed.append(sum(r.num_computed_tokens for r in reqs))

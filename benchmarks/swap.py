@@ -124,7 +124,7 @@ def worker(args, setup: dict) -> None:
     engine = llm.engine
     costs = engine.scheduler.costs
     startup = {"copy_bytes_per_s": costs.copy_bytes_per_s, "prefill_tokens_per_s": costs.prefill_tokens_per_s,
-               "measured_at_startup": engine.swap is not None}
+               "measured_at_startup": engine.memory.swap is not None}
     start = time.perf_counter()
     run_all(llm, hf_paged, make_prompts(setup, 4, seed=SEED + 1), 4)  # warm-up, untimed
     warmup = time.perf_counter() - start
@@ -133,7 +133,7 @@ def worker(args, setup: dict) -> None:
     engine.check_idle()
     bandwidth = {}
     for blocks in (8, 64):
-        samples = [measure_copy_bandwidth(engine.kv_cache, blocks) for _ in range(5)]
+        samples = [measure_copy_bandwidth(engine.memory.cache, blocks) for _ in range(5)]
         bandwidth[str(min(blocks, pool))] = {"median": statistics.median(samples), "samples": samples}
     bpt = engine.spec.kv.bytes_per_block(BLOCK) / BLOCK
     # prefill throughput the steps actually showed: steps that ran >= 64 tokens (as the engine's estimate)
@@ -142,7 +142,7 @@ def worker(args, setup: dict) -> None:
     emit_result({"mode": args.worker, "preemption_mode": mode, "threads": threads, "num_blocks": pool,
                  "peak_need_blocks": need, "bytes_per_block": bytes_per_block, "bytes_per_token": bpt,
                  "swap_space": options.get("swap_space", 0),
-                 "swap_blocks": engine.swap.num_blocks if engine.swap is not None else 0,
+                 "swap_blocks": engine.memory.swap.num_blocks if engine.memory.swap is not None else 0,
                  "warmup_seconds": warmup, "costs_at_startup": startup,
                  "costs_after_run": {"copy_bytes_per_s": costs.copy_bytes_per_s,
                                      "prefill_tokens_per_s": costs.prefill_tokens_per_s,

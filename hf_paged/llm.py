@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import torch
 
 from .engine import Engine
-from .request import Request, RequestOutput
+from .request import RequestGroup, RequestOutput
 from .sampling import SamplingParams
 
 
@@ -25,16 +25,16 @@ class LLM:
     def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
                     priority: int = 0) -> str:
         """Queue one prompt; returns its request id. Invalid input raises ValueError before anything is queued."""
-        created = self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
-        return created[0].request_id.split("#")[0]
+        return self.engine.add_request(prompt, params, request_id=request_id, priority=priority).request_id
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; an output for every request that received a token (finished ones release memory)."""
+        """One engine step; an output for every sample that received a token or finished (with `n` > 1, one per
+        sample: `outputs[0].index` says which). A prompt whose samples have all finished is forgotten."""
         outputs = []
         for request in self.engine.step():
-            outputs.append(self.engine.output([request]))
-            if request.is_finished:
-                self.engine.release(request)
+            outputs.append(self.engine.output(request.group, [request]))
+            if request.group.is_finished:
+                self.engine.release(request.group)
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -63,25 +63,28 @@ class LLM:
         tokenized = [engine.tokenize(p, i) for i, p in enumerate(prompts)]
         for i, (ids, params) in enumerate(zip(tokenized, params_list)):
             engine.check_request(i, ids, params)
-        groups: list[list[Request]] = []
-        for i, (ids, params) in enumerate(zip(tokenized, params_list)):
-            text = prompts[i] if isinstance(prompts[i], str) else None
-            groups.append(engine.add_request(ids, params, index=i, prompt_text=text,
-                                             priority=priority[i] if priority else 0))
-        self._run(groups, use_tqdm)
+        groups: list[RequestGroup] = []
+        try:
+            for i, (ids, params) in enumerate(zip(tokenized, params_list)):
+                text = prompts[i] if isinstance(prompts[i], str) else None
+                groups.append(engine.add_request(ids, params, index=i, prompt_text=text,
+                                                 priority=priority[i] if priority else 0))
+            self._run(groups, use_tqdm)
+        except BaseException:
+            for group in groups:  # an exception (or Ctrl-C) leaves none of this call's requests behind
+                engine.abort(group.request_id)
+            raise
         outputs = [engine.output(group) for group in groups]
         for group in groups:
-            for request in group:
-                engine.release(request)
+            engine.release(group)
         return outputs
 
-    def _run(self, groups: list[list[Request]], use_tqdm: bool) -> None:
+    def _run(self, groups: list[RequestGroup], use_tqdm: bool) -> None:
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(groups), desc="Processed prompts", unit="req", dynamic_ncols=True)
-        owner = {id(r): g for g in groups for r in g}
         counted: set[int] = set()
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
@@ -90,11 +93,11 @@ class LLM:
             if bar is None:
                 continue
             for request in stepped:
-                group = owner.get(id(request))
-                if group is not None and id(group[0]) not in counted and all(r.is_finished for r in group):
-                    counted.add(id(group[0]))
-                    prompt_tokens += group[0].num_prompt_tokens
-                    output_tokens += sum(r.num_output_tokens for r in group)
+                group = request.group
+                if id(group) not in counted and group.is_finished:
+                    counted.add(id(group))
+                    prompt_tokens += len(group.prompt_token_ids)
+                    output_tokens += sum(r.num_output_tokens for r in group.samples)
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(f"est. input {prompt_tokens / elapsed:.0f} tok/s, "
                                         f"output {output_tokens / elapsed:.0f} tok/s", refresh=False)

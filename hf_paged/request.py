@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -19,25 +19,44 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
-class Request:
-    """One sequence being generated.
+@dataclass(slots=True, eq=False)
+class RequestGroup:
+    """One prompt as the caller sees it: its id, its place in the caller's input and its `n` samples.
 
-    Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
-    `num_computed_tokens <= len(all_token_ids)` counts tokens whose K/V are in the cache;
-    `block_table` holds ceil(num_computed_tokens / block_size) or more physical block ids while the
-    request holds memory, and is empty while it waits.
+    Invariant: `samples[i].sample_index == i` and every sample points back here through `group`. Aborting the
+    group ends exactly these samples; ids are the caller's strings, never parsed.
     """
 
     request_id: str
     index: int  # position in the caller's input, used to order outputs and name bad requests
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list["Request"] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    @property
+    def is_finished(self) -> bool:
+        return all(r.is_finished for r in self.samples)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated (one sample of a `RequestGroup`).
+
+    Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
+    `num_computed_tokens <= len(all_token_ids)` counts tokens whose K/V are in the cache;
+    `block_table` holds ceil(num_computed_tokens / block_size) or more physical block ids while the
+    request holds memory, and is empty while it waits. Only the scheduler changes `status`,
+    `num_computed_tokens` and the outputs (through `append_token` / `finish`).
+    """
+
+    group: RequestGroup
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival: int = 0
     priority: int = 0
-    prompt: str | None = None
-    sample_index: int = 0  # which of the n samples of one prompt this is
+    sample_index: int = 0  # which of the n samples of its group this is
     controller: Any = None  # optional per-request sampling hook (see integrations.generate)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -50,7 +69,6 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
-    arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission (-1: not yet)
@@ -61,6 +79,18 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.group.request_id!r}, sample={self.sample_index}, status={self.status.value}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+    @property
+    def index(self) -> int:
+        return self.group.index
+
+    @property
+    def arrival_time(self) -> float:
+        return self.group.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -93,6 +123,59 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error
+
+    def banned_token_ids(self) -> list[int]:
+        """Tokens that may not be sampled now: stop tokens and EOS until `min_tokens` outputs exist."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return []
+        eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
+        return list(self.params.stop_token_ids) + eos
+
+
+def apply_stop_rules(request: Request, token: int, stop_now: bool, max_model_len: int | None,
+                     detokenize: Callable[[list[int]], str] | None) -> None:
+    """Append a sampled token and finish the request if a stop rule fires. The one place stop rules live.
+
+    Order: the sampling hook's own stop, stop token ids and EOS (from `min_tokens` on; EOS is the hook's business
+    when there is one), then length limits, then stop strings (decoded incrementally, see `find_stop_string`).
+    """
+    request.append_token(token)
+    params = request.params
+    past_min = request.num_output_tokens >= params.min_tokens
+    if stop_now:
+        request.finish("stop")
+    elif past_min and token in params.stop_token_ids:
+        request.finish("stop")
+        request.stop_reason = token
+    elif past_min and not params.ignore_eos and token in request.eos_token_ids and request.controller is None:
+        request.finish("stop")
+    elif request.num_output_tokens >= params.max_tokens:
+        request.finish("length")
+    elif max_model_len is not None and request.num_tokens >= max_model_len:
+        request.finish("length")
+    elif params.stop and past_min and detokenize is not None:
+        hit = find_stop_string(request.output_token_ids, params.stop, detokenize)
+        if hit is not None:
+            request.finish("stop")
+            request.stop_reason = hit
+
+
+def find_stop_string(token_ids: list[int], stops: list[str], detokenize: Callable[[list[int]], str]) -> str | None:
+    """The stop string the decoded output now contains, decoding only its tail.
+
+    A stop string not found at the previous step must end inside the newest token's text, so it lies within the
+    last `len(newest text) + longest stop` characters. The tail starts a few tokens further back (its first token
+    may decode differently alone, e.g. a dropped leading space) and doubles until it covers that span, or the whole
+    output: the work per step is bounded by the stop strings' length, not by the output's.
+    """
+    longest = max(len(s) for s in stops)
+    newest = len(detokenize(token_ids[-1:]))
+    count = longest + 4
+    while True:
+        text = detokenize(token_ids[-count:])
+        if count >= len(token_ids) or len(text) >= newest + longest + 8:
+            return next((s for s in stops if s in text), None)
+        count *= 2
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""The decode-graph path (hf_paged/cuda_graphs.py) on CPU: engines are built with the production wiring (scratch block
-after the pool, static buffers, padding to a bucket, static metadata) and only the graph replay is replaced by a plain
+"""The decode-graph path (hf_paged/engine/cuda_graphs.py) on CPU: engines are built with the production wiring (null block
+for padding, static buffers, padding to a bucket, static metadata) and only the graph replay is replaced by a plain
 call of the same forward (`capture=False`): real model, real padding, real attention. Capture itself: tests/test_gpu.py.
 """
 import os
@@ -18,7 +18,8 @@ from hf_paged.config import EngineConfig
 from hf_paged.engine.cuda_graphs import (MAX_GRAPH_BATCH, MAX_GRAPH_CONTEXT, DecodeGraphRunner, DecodeGraphSettings,
                                   PaddedDecode, batch_buckets, bucket_for)
 from hf_paged.engine import Engine
-from hf_paged.engine.scheduler import ScheduledBatch
+from hf_paged.engine.plan import StepPlan
+from hf_paged.kv import NULL_BLOCK
 
 from conftest import cached_model
 
@@ -62,7 +63,7 @@ def run(engine, batch, max_tokens=MAX_TOKENS, **params):
     while engine.has_unfinished:
         for request in engine.step():
             if request.is_finished:
-                done[request.request_id] = list(request.output_token_ids)
+                done[request.group.request_id] = list(request.output_token_ids)
     engine.check_idle()
     return [done[str(i)] for i in range(len(batch))]
 
@@ -92,8 +93,8 @@ def test_settings_and_config():
     assert DecodeGraphSettings.for_engine(config, torch.device("cpu"), 100, 64) is None  # off on CPU
     assert DecodeGraphSettings.for_engine(config.replace(cuda_graphs=False), torch.device("cuda"), 100, 64) is None
     settings = DecodeGraphSettings.for_engine(config, torch.device("cuda"), 100, 61)
-    assert (settings.max_batch, settings.max_blocks, settings.scratch_block, settings.capture,
-            settings.capture_at_start) == (20, 8, 100, True, False)  # 61 tokens need 8 blocks; scratch after the pool
+    assert (settings.max_batch, settings.max_blocks, settings.padding_block, settings.capture,
+            settings.capture_at_start) == (20, 8, NULL_BLOCK, True, False)  # 61 tokens need 8 blocks; pad: null block
     assert DecodeGraphSettings.build(config, 5, 1000, capture=False).max_blocks == 5  # never more than the pool
     assert DecodeGraphSettings.build(config, 50, None, capture=False).max_blocks == 50
     assert DecodeGraphSettings.build(config, 10**6, 10**6, capture=False).max_blocks == MAX_GRAPH_CONTEXT // 8
@@ -107,21 +108,21 @@ def test_settings_and_config():
 def test_off_on_cpu_by_default(llama):
     engine = Engine(llama, block_size=8, num_blocks=32)
     assert engine.runner.graphs is None
-    assert engine.kv_cache.num_blocks == engine.kv.pool.num_blocks == 32  # no scratch block either
+    assert engine.memory.cache.num_blocks == engine.scheduler.kv.pool.num_blocks + 1 == 33  # + the null block
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        DecodeGraphRunner(engine.runner, DecodeGraphSettings(4, 8, 31, capture=True))
+        DecodeGraphRunner(engine.runner, DecodeGraphSettings(4, 8, capture=True))
 
 
 def test_probe_names_the_backend(llama, padded):
     engine = Engine(llama, block_size=8, num_blocks=32)
     graphs = engine.runner.graphs
-    assert engine.kv_cache.num_blocks == 33 and graphs.settings.scratch_block == 32
+    assert engine.memory.cache.num_blocks == 33 and graphs.settings.padding_block == NULL_BLOCK  # nothing extra
     assert "'torch' attention backend" in graphs._backend_reason()  # what "auto" gives a CPU decode step
     if dispatch.unavailable("triton", torch.device("cpu")) is None:  # interpreted here: cuda / triton are captured
-        engine.runner.backend = "triton"
+        engine.runner.backends = dispatch.choose_backends("triton", torch.device("cpu"))
         assert graphs._backend_reason() is None
-    too_many = ScheduledBatch(requests=[None] * 129, num_new_tokens=[1] * 129)  # max_num_seqs=128
-    assert not graphs.accepts(too_many) and not graphs.accepts(ScheduledBatch())
+    too_many = StepPlan(requests=[None] * 129, num_new_tokens=[1] * 129)  # max_num_seqs=128
+    assert not graphs.accepts(too_many) and not graphs.accepts(StepPlan())
 
 
 # ---- the padded path gives the same tokens --------------------------------------------------------------------
@@ -163,7 +164,7 @@ def test_one_token_prefill_chunks_sample_only_last_rows(padded, llama):
     counts = (5, 3, 6)
     engine = Engine(llama, block_size=4, num_blocks=32, max_model_len=32, long_prefill_token_threshold=1)
     assert run(engine, batch, counts) == [hf_greedy(llama, p, n) for p, n in zip(batch, counts)]
-    assert sum(engine.runner.graphs.steps_per_bucket.values()) == engine.counters["num_steps"]  # every step padded
+    assert sum(engine.runner.graphs.steps_per_bucket.values()) == engine.stats()["num_steps"]  # every step padded
 
 
 def test_padded_logits_equal_eager_logits_in_any_row_order(padded, llama):
@@ -176,7 +177,7 @@ def test_padded_logits_equal_eager_logits_in_any_row_order(padded, llama):
     batch = engine.scheduler.schedule()
     batch.requests.reverse()
     batch.num_new_tokens.reverse()
-    engine.runner.zero_blocks(engine.kv.take_fresh_blocks())
+    engine.memory.apply(batch)  # clears the blocks handed out
     runner, graphs = engine.runner, engine.runner.graphs
     step = runner.prepare(batch)
     assert isinstance(step, PaddedDecode) and step.size == 4 and step.sampled == [2]
@@ -210,7 +211,7 @@ def test_fp8_cache_scales_come_from_an_eager_step(padded, llama):
                    kv_cache_dtype="fp8_e4m3")
     engine = Engine(llama, **options)
     got = run(engine, batch, counts)
-    assert sum(engine.runner.graphs.steps_per_bucket.values()) == engine.counters["num_steps"] - 1
+    assert sum(engine.runner.graphs.steps_per_bucket.values()) == engine.stats()["num_steps"] - 1
     assert got == run(Engine(llama, cuda_graphs=False, **options), batch, counts)
 
 
@@ -250,23 +251,22 @@ def test_capture_at_start_goes_largest_first_on_padding_rows(padded, llama):
     graphs.capture_all()
     assert "batch size 20 failed" in graphs.off_reason and set(graphs.batches) == {20}
     staged = graphs.batches[20]
-    scratch = engine.kv.pool.num_blocks
-    assert staged.metadata.slot_mapping.tolist() == [scratch * 8] * 20 and staged.context_lens.tolist() == [1] * 20
-    assert staged.input_ids.tolist() == [[0] * 20] and (staged.tables == scratch).all()
+    null = NULL_BLOCK
+    assert staged.metadata.slot_mapping.tolist() == [null * 8] * 20 and staged.context_lens.tolist() == [1] * 20
+    assert staged.input_ids.tolist() == [[0] * 20] and (staged.tables == null).all()
 
 
 # ---- padding rows never touch a request's KV --------------------------------------------------------------------
 def padded_step_writes(engine) -> tuple[set, set]:
     """Run one step (it must be a padded decode step with padding rows) and return (the slots it wrote, the slots it
-    had to write: each real row's, plus slot 0 of the scratch block). Blocks no request holds, the scratch block
+    had to write: each real row's, plus slot 0 of the null block). Blocks no request holds, the null block
     included, are first filled with a sentinel, so that every write shows."""
-    storage = engine.kv_cache.storage
+    storage = engine.memory.cache.storage
     held = {b for r in engine.scheduler.running for b in r.block_table}
-    scratch = engine.kv.pool.num_blocks  # the storage's block after the pool
-    storage[:, :, [b for b in range(scratch + 1) if b not in held]] = 7.0
-    bs = engine.kv_cache.block_size
+    storage[:, :, [b for b in range(engine.memory.cache.num_blocks) if b not in held]] = 7.0
+    bs = engine.memory.cache.block_size
     expected = {r.block_table[r.num_computed_tokens // bs] * bs + r.num_computed_tokens % bs
-                for r in engine.scheduler.running} | {scratch * bs}
+                for r in engine.scheduler.running} | {NULL_BLOCK * bs}
     before = storage.clone()
     steps = dict(engine.runner.graphs.steps_per_bucket)
     engine.step()
@@ -278,7 +278,7 @@ def padded_step_writes(engine) -> tuple[set, set]:
 
 def check_only_real_slots_written(engine):
     written, expected = padded_step_writes(engine)
-    assert written == expected, (f"slots written besides the real rows' and the scratch slot: "
+    assert written == expected, (f"slots written besides the real rows' and the null slot: "
                                  f"{sorted(written - expected)}; not written: {sorted(expected - written)}")
 
 
@@ -288,7 +288,7 @@ def start_three_requests(engine):
     engine.step()  # the prefills (eager); every later step is a decode of 3 rows in bucket 4
 
 
-def test_padding_rows_write_only_the_scratch_block(padded, llama):
+def test_padding_rows_write_only_the_null_block(padded, llama):
     engine = Engine(llama, block_size=8, num_blocks=16, max_model_len=64)
     start_three_requests(engine)
     for _ in range(3):
@@ -298,9 +298,9 @@ def test_padding_rows_write_only_the_scratch_block(padded, llama):
 
 def test_the_write_check_catches_padding_aimed_at_a_real_block(llama, monkeypatch):
     """The same check fails when the padding slot is a block a request holds (block 1: the first prompt's second)."""
-    force_padded_path(monkeypatch, scratch_block=1)
+    force_padded_path(monkeypatch, padding_block=1)
     engine = Engine(llama, block_size=8, num_blocks=16, max_model_len=64)
     start_three_requests(engine)
     assert 1 in engine.scheduler.running[0].block_table
-    with pytest.raises(AssertionError, match=r"slots written besides the real rows' and the scratch slot: \[8\]"):
+    with pytest.raises(AssertionError, match=r"slots written besides the real rows' and the null slot: \[8\]"):
         check_only_real_slots_written(engine)

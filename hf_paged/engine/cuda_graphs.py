@@ -17,11 +17,11 @@ Static buffers (`StaticDecodeBatch`)
     the kernels' partition temporaries), so no table ever changes shape.
 
 Padding never touches a request's KV
-    A padding row is token 0 at position 0 with context length 1; its slot is slot 0 of `scratch_block` and its table
-    row is all `scratch_block`, a block of the KV storage that the pool never hands out (the engine allocates it after
-    the pool's blocks). Real rows' table entries past their length point at it too. So padding rows write only the
-    scratch block, and real rows never attend to it (kernels stop at their context length; the torch backend masks
-    it, and its values are finite: only padding K/V are ever written there).
+    A padding row is token 0 at position 0 with context length 1; its slot is slot 0 of `padding_block` and its table
+    row is all `padding_block`: the pool's null block (kv.NULL_BLOCK), which the pool never hands out and which the
+    eager path's table padding points at too. Real rows' table entries past their length point at it as well. So
+    padding rows write only the null block, and real rows never attend to it (kernels stop at their context length;
+    the torch backend masks it, and its values are finite: it starts zeroed and only padding K/V are written there).
 
 Which attention backends are captured (`DecodeGraphRunner.probe`)
     A replay re-runs the kernels recorded at capture with every host-side decision frozen, so the attention code may
@@ -39,10 +39,10 @@ Which attention backends are captured (`DecodeGraphRunner.probe`)
       gathers kv_len keys for every decode; pinned to max_model_len it would read the longest context for every row.
       Eager on CUDA. (On CPU it is what the capture=False path runs: the static plan's tensors are refreshed and its
       mask cache cleared on every call.)
-    * flash3 / flash2 / flashinfer: per-step host work cached by metadata identity (PerStep: stale with one static
+    * flash3 / flash2 / flashinfer: per-step host work cached by metadata identity (a step cache keyed by metadata identity: stale with one static
       metadata object), FlashInfer's `plan` (a host-side CSR page list whose length depends on the context lengths),
       FA2's host max_seqlen_k; none of it is pinned here, so they run eagerly.
-    The probe asks `dispatch.select` which backend a decode step of the model's dtype and head shape gets; cuda and
+    The probe asks the runner's backend chooser (made once per engine) which backend a decode step of the model's dtype and head shape gets; cuda and
     triton accept every window / soft-cap, so one probe (no window, no cap) holds for every layer.
 
 Capture
@@ -69,8 +69,8 @@ import torch
 
 from ..attention import AttentionMetadata, SequenceGroupPlan, dispatch
 from ..config import EngineConfig, logger
+from ..kv import NULL_BLOCK
 
-CAPTURABLE_BACKENDS = ("cuda", "triton")
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound enough that launches do not matter: eager
 # longest context a graph serves (longer decode steps run eagerly): it sizes every graph's block tables and, through the
 # pinned max_context_len, the CUDA kernel's partition count / Triton's split count and their temporaries
@@ -91,21 +91,21 @@ def bucket_for(num_seqs: int, buckets: tuple[int, ...]) -> int | None:
 
 @dataclass(slots=True)
 class DecodeGraphSettings:
-    """Shape of the decode graphs. Invariant: `scratch_block` is a block of the KV storage the pool never hands out.
+    """Shape of the decode graphs. Invariant: `padding_block` is a block of the KV storage the pool never hands out
+    (the null block; tests aim it elsewhere to show that padding would then write a real block).
     Graphs serve contexts of up to max_blocks * block_size tokens (all of max_model_len when it is at most
     MAX_GRAPH_CONTEXT); a step with a longer one runs eagerly."""
 
     max_batch: int
     max_blocks: int
-    scratch_block: int
     capture: bool = True  # False: the same padded path, each replay replaced by a plain call (CPU tests)
     capture_at_start: bool = False
+    padding_block: int = NULL_BLOCK
 
     @classmethod
     def for_engine(cls, config: EngineConfig, device: torch.device, num_pool_blocks: int,
                    max_model_len: int | None) -> "DecodeGraphSettings | None":
-        """Settings for an engine, or None where decode graphs are off (not a CUDA device, or cuda_graphs=False).
-        The engine then allocates one KV block more than the pool's: the scratch block."""
+        """Settings for an engine, or None where decode graphs are off (not a CUDA device, or cuda_graphs=False)."""
         if config.cuda_graphs is False or torch.device(device).type != "cuda":
             return None
         return cls.build(config, num_pool_blocks, max_model_len, capture=True)
@@ -118,7 +118,7 @@ class DecodeGraphSettings:
         if max_model_len is not None:
             per_sequence = min(per_sequence, -(-max_model_len // config.block_size))
         return cls(max_batch=min(config.max_num_seqs, MAX_GRAPH_BATCH), max_blocks=per_sequence,
-                   scratch_block=num_pool_blocks, capture=capture, capture_at_start=config.cuda_graphs == "at_start")
+                   capture=capture, capture_at_start=config.cuda_graphs == "at_start")
 
 
 @dataclass(slots=True)
@@ -150,9 +150,9 @@ class DecodeGraphRunner:
     """Runs decode-only steps padded to a bucket from static buffers: one CUDA graph per bucket, or (capture=False)
     a plain call of the same forward.
 
-    `runner` is the ModelRunner (its `forward`, `device`, `block_size`, `backend`, `kv_cache`, `model`, `zero_blocks`).
+    `runner` is the ModelRunner (its `forward`, `device`, `block_size`, `backend`, `kv_cache`, `model`).
     Invariants: the staging buffers never move (graphs hold their addresses); row i of the host block tables holds
-    real entries in its first `_row_extent[i]` columns and `scratch_block` everywhere else.
+    real entries in its first `_row_extent[i]` columns and `padding_block` everywhere else.
     """
 
     def __init__(self, runner, settings: DecodeGraphSettings):
@@ -167,7 +167,7 @@ class DecodeGraphRunner:
         # [ids | positions | slots | context lengths] x rows, then the tables: rows x width
         self.host = torch.zeros(rows * (4 + width), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.host_view = self.host.numpy()
-        self.host_view[4 * rows:] = settings.scratch_block
+        self.host_view[4 * rows:] = settings.padding_block
         self.staging = self.host.to(device, copy=True)
         self._row_extent = [0] * rows
         self._arange = torch.arange(rows + 1, dtype=torch.int64, device=device)
@@ -176,7 +176,7 @@ class DecodeGraphRunner:
         self._query_start = torch.zeros(rows, dtype=torch.int64, device=device)
         self._cu32 = self._arange.to(torch.int32)
         self._context32 = torch.ones(rows, dtype=torch.int32, device=device)
-        self._tables32 = torch.full((rows * width,), settings.scratch_block, dtype=torch.int32, device=device)
+        self._tables32 = torch.full((rows * width,), settings.padding_block, dtype=torch.int32, device=device)
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.batches: dict[int, StaticDecodeBatch] = {}
         self.captured: dict = {}  # bucket -> torch.cuda.CUDAGraph
@@ -185,7 +185,6 @@ class DecodeGraphRunner:
         self.off_reason: str | None = None  # why decode steps run eagerly (None: they take this path)
         self.probed = not settings.capture
         self.steps_per_bucket: Counter = Counter()
-        runner.zero_blocks([settings.scratch_block])
         if settings.capture_at_start:
             self.capture_all()
 
@@ -220,14 +219,11 @@ class DecodeGraphRunner:
         query = torch.empty(1, text.num_attention_heads, cache.spec.head_dim,
                             dtype=next(model.parameters()).dtype, device=self.runner.device)
         try:
-            module = dispatch.select(self.runner.backend, query, cache.key_caches[0], self._batch(1).metadata,
-                                     None, None, strict=False)
+            backend = self.runner.backends.backend_for(query, cache.key_caches[0], self._batch(1).metadata, None, None)
         except Exception as e:  # noqa: BLE001 - the reason is reported, the step runs eagerly
             return f"no attention backend for a decode step: {e}"
-        name = {path: key for key, path in dispatch.MODULES.items()}.get(module.__name__, module.__name__)
-        if name not in CAPTURABLE_BACKENDS:
-            return (f"decode steps use the {name!r} attention backend, which is not captured "
-                    f"(only {CAPTURABLE_BACKENDS})")
+        if not backend.graph_capturable:
+            return f"decode steps use the {backend.name!r} attention backend, which is not captured in CUDA graphs"
         return None
 
     # ---- one step ---------------------------------------------------------------------------------------------
@@ -273,7 +269,7 @@ class DecodeGraphRunner:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has read the host buffer
         rows, width, bs = self.buckets[-1], self.settings.max_blocks, self.runner.block_size
-        scratch = self.settings.scratch_block
+        padding = self.settings.padding_block
         host = self.host_view
         ids, positions, slots, contexts = (host[k * rows:(k + 1) * rows] for k in range(4))
         tables = host[4 * rows:].reshape(rows, width)
@@ -289,18 +285,18 @@ class DecodeGraphRunner:
             contexts[i] = pos + 1
             tables[i, :used] = table[:used]
             if extent[i] > used:
-                tables[i, used:extent[i]] = scratch
+                tables[i, used:extent[i]] = padding
             extent[i] = used
             if pos + 1 == request.num_tokens:
                 sampled.append(i)
         n = len(requests)
         ids[n:size] = 0
         positions[n:size] = 0
-        slots[n:size] = scratch * bs
+        slots[n:size] = padding * bs
         contexts[n:size] = 1
         for i in range(n, size):
             if extent[i]:
-                tables[i, :extent[i]] = scratch
+                tables[i, :extent[i]] = padding
                 extent[i] = 0
         end = 4 * rows + size * width
         self.staging[:end].copy_(self.host[:end], non_blocking=True)
@@ -371,4 +367,4 @@ class DecodeGraphRunner:
 
 
 __all__ = ["DecodeGraphRunner", "DecodeGraphSettings", "PaddedDecode", "StaticDecodeBatch", "batch_buckets",
-           "bucket_for", "CAPTURABLE_BACKENDS", "MAX_GRAPH_BATCH", "MAX_GRAPH_CONTEXT"]
+           "bucket_for", "MAX_GRAPH_BATCH", "MAX_GRAPH_CONTEXT"]

@@ -1,16 +1,19 @@
-"""Packs one scheduled step into a single varlen forward pass of the HF model."""
+"""Runs one planned step: packs it into a single varlen forward pass of the HF model and samples its tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionMetadata
-from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
-from ..model import PagedForwardContext, paged_attention_active
-from ..model import ModelSpec
+import time
+
+from ..attention import AttentionMetadata, choose_backends
 from ..kv import KVCache
-from .scheduler import ScheduledBatch
+from ..model import ModelSpec, PagedForwardContext, paged_attention_active
+from ..sampling import Sampler
+from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
+from .plan import StepOutcome, StepPlan
+from .sample_step import sample_step
 
 
 @dataclass(slots=True)
@@ -23,7 +26,9 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the KV tensors; turns a `ScheduledBatch` into logits for the requests that sample this step."""
+    """Turns a `StepPlan` into one `Sampled` per sampled request (`run`); reads requests, changes none.
+
+    Table entries past a sequence's length point at the null block (`metadata` pads with block 0)."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, kv_cache: KVCache, backend: str = "torch",
                  graphs: DecodeGraphSettings | None = None):
@@ -32,36 +37,24 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = spec.kv.device
+        self.backends = choose_backends(backend, self.device)  # decides each kind of attention call once
         self.block_size = kv_cache.block_size
-        self._initialized = bytearray(kv_cache.num_blocks)  # 1 = the block holds finite values
-        # padding entries of block tables point at block 0; keep its contents finite from the start
-        self.zero_blocks([0])
         # decode-only steps padded to a bucket and replayed as CUDA graphs (None: every step eager; see cuda_graphs.py)
         self.graphs = DecodeGraphRunner(self, graphs) if graphs is not None else None
 
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        """Blocks never used before may hold garbage (the storage is torch.empty) and masked positions must
-        never be NaN. Once zeroed, a block only ever receives finite K/V (writes, swap-ins, copies), so each
-        block is cleared at most once in the cache's life."""
-        todo = [b for b in block_ids if not self._initialized[b]]
-        if not todo:
-            return
-        for b in todo:
-            self._initialized[b] = 1
-        storage = self.kv_cache.storage
-        if len(todo) <= 8:  # a few strided views beat one advanced-index write
-            for b in todo:
-                storage[:, :, b].zero_()
-        else:
-            storage[:, :, torch.tensor(todo, device=self.device)] = 0
+    def run(self, plan: StepPlan, sampler: Sampler) -> StepOutcome:
+        """Forward pass and sampling for one step (the plan's block moves have run)."""
+        started = time.perf_counter()
+        inputs = self.prepare(plan)
+        logits = self.execute(inputs)
+        rows = {batch_index: row for row, batch_index in enumerate(inputs.sampled)}
+        index = [rows[source] for source in plan.sample_sources]
+        if index != list(range(len(inputs.sampled))):  # forked samples share their parent's row
+            logits = logits[torch.tensor(index, device=logits.device)]
+        results = sample_step(sampler, plan.sampled, logits)
+        return StepOutcome(results, time.perf_counter() - started)
 
-    def forget_blocks(self, block_ids: list[int]) -> None:
-        """These blocks may hold non-finite K/V (their request's forward pass went wrong): clear them again
-        the next time they are handed out."""
-        for b in block_ids:
-            self._initialized[b] = 0
-
-    def prepare(self, batch: ScheduledBatch) -> StepInputs | PaddedDecode:
+    def prepare(self, batch: StepPlan) -> StepInputs | PaddedDecode:
         if self.graphs is not None and self.graphs.accepts(batch):
             return self.graphs.prepare(batch)
         bs = self.block_size
@@ -103,7 +96,7 @@ class ModelRunner:
                 sample_rows: torch.Tensor | None) -> torch.Tensor:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
         decode graphs (captured or not) both run exactly this."""
-        context = PagedForwardContext(metadata, self.kv_cache, self.backend)
+        context = PagedForwardContext(metadata, self.kv_cache, self.backends)
         kwargs = {}
         if sample_rows is not None and self.spec.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = sample_rows

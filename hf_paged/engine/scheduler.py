@@ -1,65 +1,137 @@
-"""FCFS scheduling under a token budget, with chunked prefill and preemption by recompute."""
+"""The scheduler: the one owner of every request's scheduling state and of the KV manager.
+
+`schedule()` decides the next step (which tokens run, who is admitted, preempted, swapped, forked) and
+`update(plan, outcome)` applies what the step produced (computed tokens, sampled tokens, stops, finishes, frees).
+Nothing else changes a request's status, `num_computed_tokens`, outputs or blocks.
+"""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Callable
 
 from ..config import EngineConfig
 from ..kv import KVCacheManager, blocks_needed
 from ..kv.swap import SwapPool
-from ..request import Request, RequestStatus
+from ..request import Request, RequestStatus, apply_stop_rules
+from .plan import PreemptionCosts, StepOutcome, StepPlan
 
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """One step's work: `num_new_tokens[i]` tokens of `requests[i]`, starting at its num_computed_tokens."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (device ids, host ids)
-    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (host ids, device ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.requests.append(request)
-        self.num_new_tokens.append(num_new_tokens)
+COUNTERS = ("num_steps", "num_prompt_tokens", "num_generated_tokens", "num_batched_tokens", "num_finished",
+            "num_errors", "num_preemptions", "num_recomputed_tokens", "num_swap_outs", "num_swap_ins",
+            "num_blocks_swapped")
 
 
 class Scheduler:
-    """Decides which tokens run in the next forward pass.
+    """Decides which tokens run in the next forward pass, and applies each step's outcome.
 
     Each step: running decodes first, then unfinished prefill chunks, then waiting requests in arrival order
     while the token budget, `max_num_seqs` and free blocks allow. A waiting request starts from its longest
-    cached prefix and is admitted only when blocks for all of its tokens are free (no admit/preempt thrash). When a running request cannot get
-    a block, the newest running request (lowest priority first) is preempted: its blocks are freed and it
-    goes back to the head of the queue to be recomputed later. Nothing is ever dropped.
+    cached prefix and is admitted only when blocks for all of its tokens are free (no admit/preempt thrash). When a
+    running request cannot get a block, the running request with the highest `priority` value (then the latest
+    arrival) is preempted — taken out of this step's plan if it was already placed — and its blocks are freed:
+    copied to host swap space first (preemption_mode "swap", or "auto" when that is estimated cheaper than
+    recomputing) or recomputed later. It goes back to the head of the queue. Nothing is ever dropped.
     """
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager, swap: SwapPool | None = None,
-                 costs: "PreemptionCosts | None" = None):
+                 costs: PreemptionCosts | None = None, max_model_len: int | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None):
         self.config = config
         self.kv = kv
         self.swap = swap
         self.costs = costs or PreemptionCosts()
+        self.max_model_len = max_model_len
+        self.detokenize = detokenize
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.num_recomputed_tokens = 0
-        self.num_swap_outs = 0
-        self.num_swap_ins = 0
-        self.num_blocks_swapped = 0
-
-    def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def add(self, request: Request, fork_of: Request | None = None) -> None:
+        """Queue a request. With `fork_of` (a queued request with the same prompt and no output yet) it is not
+        scheduled on its own: it starts from that request's computed prompt, sharing its blocks and first logits."""
+        if fork_of is not None and not fork_of.is_finished and fork_of.num_output_tokens == 0 \
+                and fork_of.prompt_token_ids == request.prompt_token_ids:
+            fork_of.forks.append(request)
+        else:
+            self.waiting.append(request)
+
+    # ---- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request in decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]:
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._chunk(request, budget)
+            if num_new > budget:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._victim()
+                budget += self._preempt(victim, plan)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                plan.add(request, num_new)
+                budget -= num_new
+        if not plan.preempted:  # memory is tight: let the running requests make progress first
+            self._admit(plan, budget)
+        plan.blocks_to_clear = self.kv.take_blocks_to_clear()
+        plan.copies = self.kv.take_copies()
+        self._plan_samples(plan)
+        return plan
+
+    def update(self, plan: StepPlan, outcome: StepOutcome) -> list[Request]:
+        """Apply a step's outcome. Returns the requests that received a token or finished, in `plan.sampled` order."""
+        self.costs.observe_step(plan.num_tokens, outcome.elapsed_s)
+        self.counters["num_steps"] += 1
+        self.counters["num_batched_tokens"] += plan.num_tokens
+        for request, num_new in zip(plan.requests, plan.num_new_tokens):
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+        for parent, child in plan.forks:
+            self._start_fork(parent, child)
+        changed = []
+        for request, result in zip(plan.sampled, outcome.results):
+            if request.is_finished:
+                continue
+            if request.num_output_tokens == 0 and request.num_preemptions == 0:
+                self.counters["num_prompt_tokens"] += request.num_prompt_tokens
+            if result.error is not None:
+                if result.non_finite:
+                    self.kv.discard_contents(request)  # its K/V may be NaN too: never reuse them as they are
+                request.finish("error", result.error)
+                self.counters["num_errors"] += 1
+            else:
+                if result.logprobs is not None and request.logprobs is not None:
+                    request.logprobs.append(result.logprobs)
+                apply_stop_rules(request, result.token, result.stop_now, self.max_model_len, self.detokenize)
+                self.counters["num_generated_tokens"] += 1
+            changed.append(request)
+            if request.is_finished:
+                self.counters["num_finished"] += 1
+                self._release(request)
+        return changed
+
+    def abort(self, request: Request, reason: str = "abort", error: str | None = None) -> None:
+        """End a request wherever it is and free its memory. Samples waiting to fork from its prompt start on
+        their own instead (the first of them computes the prompt, the others fork from it)."""
+        if request.is_finished:
+            return
+        request.finish(reason, error)
+        self._release(request)
+        pending = [child for child in request.forks if not child.is_finished]
+        request.forks = []
+        if pending:
+            pending[0].forks = pending[1:]
+            self.waiting.appendleft(pending[0])
+
+    # ---- pieces -------------------------------------------------------------------------------------------
     def _chunk(self, request: Request, budget: int) -> int:
         """Tokens to run for `request` this step: all that remain, or with chunking at most the budget and
         (for prefills) at most `long_prefill_token_threshold`."""
@@ -75,73 +147,52 @@ class Scheduler:
         """Lowest priority value loses last: preempt the highest `priority` number, then the latest arrival."""
         return max(self.running, key=lambda r: (r.priority, r.arrival))
 
-    def _should_swap(self, request: Request) -> bool:
+    def _should_swap(self, request: Request, num_blocks: int) -> bool:
         """Swap when asked to (or, in "auto", when moving the blocks out and back is estimated cheaper than
         recomputing the tokens) and the swap space has room; otherwise recompute."""
-        mode, blocks = self.config.preemption_mode, len(request.block_table)
-        if mode == "recompute" or self.swap is None or self.swap.num_free < blocks:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.swap is None or num_blocks == 0 or self.swap.num_free < num_blocks:
             return False
-        return mode == "swap" or self.costs.swap_is_cheaper(blocks * self.swap.bytes_per_block,
+        return mode == "swap" or self.costs.swap_is_cheaper(num_blocks * self.swap.bytes_per_block,
                                                             request.num_computed_tokens)
 
-    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
-        """Free the request's device blocks: its K/V go to host swap space, or are recomputed later.
-        Swap copies run before this step's forward pass touches the freed blocks."""
+    def _preempt(self, request: Request, plan: StepPlan) -> int:
+        """Free the request's device blocks: the blocks holding its computed K/V go to host swap space, or its
+        tokens are recomputed later. Swap copies run before this step's forward pass touches the freed blocks.
+        Returns the tokens given back to the step's budget (the request may already have been placed)."""
         self.running.remove(request)
-        if self._should_swap(request):
-            host = self.swap.allocate(len(request.block_table))
-            batch.swap_out.append((list(request.block_table), host))
+        returned = plan.remove(request)
+        computed = blocks_needed(request.num_computed_tokens, self.kv.block_size)
+        if self._should_swap(request, computed):
+            host = self.swap.allocate(computed)
+            plan.swap_out.append((request.block_table[:computed], host))
             request.swapped_blocks = host
             request.status = RequestStatus.SWAPPED
-            self.num_swap_outs += 1
-            self.num_blocks_swapped += len(host)
-            self.kv.free(request)
+            self.counters["num_swap_outs"] += 1
+            self.counters["num_blocks_swapped"] += computed
         else:
-            self.kv.free(request)
-            self.num_recomputed_tokens += request.num_computed_tokens
+            self.counters["num_recomputed_tokens"] += request.num_computed_tokens
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
+        self.kv.free(request)
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters["num_preemptions"] += 1
         self.waiting.appendleft(request)
-        batch.preempted.append(request)
+        plan.preempted.append(request)
+        return returned
 
-    def _swap_in(self, request: Request, batch: ScheduledBatch) -> bool:
+    def _swap_in(self, request: Request, plan: StepPlan) -> bool:
         """Give a swapped request device blocks for everything it holds plus its growth, and queue the copy."""
         if blocks_needed(request.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
             return False
-        device = self.kv.pool.allocate(len(request.swapped_blocks))
+        device = self.kv.allocate_blocks(len(request.swapped_blocks))
         request.block_table = device
-        batch.swap_in.append((request.swapped_blocks, device))
+        plan.swap_in.append((request.swapped_blocks, device))
         request.swapped_blocks = []
-        self.num_swap_ins += 1
+        self.counters["num_swap_ins"] += 1
         return True
 
-    def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.config.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        for request in decodes + [r for r in self.running if r.num_tokens - r.num_computed_tokens != 1]:
-            if budget <= 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = self._chunk(request, budget)
-            if num_new > budget:
-                continue
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self._victim()
-                self._preempt(victim, batch)
-                if victim is request:
-                    break
-            if request.status is RequestStatus.RUNNING:
-                batch.add(request, num_new)
-                budget -= num_new
-        if not batch.preempted:  # memory is tight: let the running requests make progress first
-            self._admit(batch, budget)
-        return batch
-
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit(self, plan: StepPlan, budget: int) -> None:
         """Waiting requests in arrival order; the first that does not fit stops admission. A request whose
         prompt starts with blocks another request is computing right now waits for them to be published
         instead of computing them again (it keeps its place in the queue)."""
@@ -154,7 +205,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and self._chunk(request, budget) > budget:
                 break  # unchunked work that does not fit this step's budget waits for the next one
             if request.status is RequestStatus.SWAPPED:
-                if not self._swap_in(request, batch):
+                if not self._swap_in(request, plan):
                     break
                 num_new = self._chunk(request, budget)
                 self.kv.allocate_slots(request, num_new)  # fits: _swap_in checked the whole request
@@ -162,19 +213,19 @@ class Scheduler:
                 hits = self.kv.computed_blocks(request)
                 if not self.kv.can_admit(request, hits):
                     break
-                self.kv.admit(request, hits)
+                request.num_computed_tokens = self.kv.admit(request, hits)
                 num_new = self._chunk(request, budget)
                 if num_new > budget or not self.kv.allocate_slots(request, num_new):
                     self.kv.free(request)  # hand the hits back: nothing else changed
                     request.num_computed_tokens = 0
                     break
-                self.kv.count_lookup(request)
+                self.kv.count_lookup(request, request.num_computed_tokens)
             del self.waiting[position]
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            batch.add(request, num_new)
+            plan.add(request, num_new)
             budget -= num_new
 
     def _prefix_in_flight(self, request: Request) -> bool:
@@ -188,16 +239,41 @@ class Scheduler:
         cached = len(self.kv.computed_blocks(request))
         return any(self.kv.common_prefix_blocks(request, other) >= cached + 2 for other in prefilling)
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def _plan_samples(self, plan: StepPlan) -> None:
+        """Which requests sample this step: those whose every token is computed after it, and the waiting samples
+        of a prompt computed for the first time (they fork from it and sample from the same logits row)."""
+        forked = False
+        for i, (request, num_new) in enumerate(zip(plan.requests, plan.num_new_tokens)):
+            if request.num_computed_tokens + num_new != request.num_tokens:
+                continue
+            plan.sampled.append(request)
+            plan.sample_sources.append(i)
+            if request.forks and request.num_output_tokens == 0:
+                for child in request.forks:
+                    if not child.is_finished:
+                        plan.forks.append((request, child))
+                        plan.sampled.append(child)
+                        plan.sample_sources.append(i)
+                        forked = True
+        if forked:  # samples of one prompt side by side, in order (as HF's num_return_sequences rows are)
+            order = sorted(range(len(plan.sampled)), key=lambda j: (plan.sampled[j].index,
+                                                                     plan.sampled[j].sample_index))
+            plan.sampled = [plan.sampled[j] for j in order]
+            plan.sample_sources = [plan.sample_sources[j] for j in order]
+
+    def _start_fork(self, parent: Request, child: Request) -> None:
         """Start `child` (another sample of the same prompt) from `parent`'s computed prompt: it shares every
         block, and the shared partly filled block is copied when one of them first writes to it."""
+        if child in parent.forks:
+            parent.forks.remove(child)
         self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         child.num_cached_tokens = parent.num_cached_tokens
         self.running.append(child)
 
-    def finish(self, request: Request) -> None:
-        """Release a finished (or aborted) request's memory, wherever it is."""
+    def _release(self, request: Request) -> None:
+        """Release a finished request's memory, wherever it is."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -206,24 +282,3 @@ class Scheduler:
         if request.swapped_blocks:
             self.swap.free(request.swapped_blocks)
             request.swapped_blocks = []
-
-
-@dataclass(slots=True)
-class PreemptionCosts:
-    """Measured rates behind preemption_mode="auto": swapping moves a request's bytes out and back at the
-    measured copy bandwidth; recomputing re-runs its tokens at the observed prefill throughput (until a
-    prefill-sized step has been seen, a conservative prior that favours recompute)."""
-
-    copy_bytes_per_s: float = 8e9
-    prefill_tokens_per_s: float | None = None
-
-    def swap_is_cheaper(self, num_bytes: int, num_tokens: int) -> bool:
-        prefill = self.prefill_tokens_per_s or 1e5
-        return 2 * num_bytes / self.copy_bytes_per_s < num_tokens / prefill
-
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """Fold a prefill-sized step into the throughput estimate (exponential moving average)."""
-        if num_tokens >= 64 and seconds > 0:
-            rate = num_tokens / seconds
-            previous = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = rate if previous is None else 0.5 * previous + 0.5 * rate

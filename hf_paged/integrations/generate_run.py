@@ -67,12 +67,16 @@ class GenerateRun:
                               stop_token_ids=list(self.eos) if self.native else [])
 
     def engine_config(self, options: dict | None) -> EngineConfig:
-        """The caller's cache_config; without a pool size, exactly what this batch needs (no preemption)."""
+        """The caller's cache_config. Without a pool size: exactly what this batch needs, so nothing is ever
+        preempted, and the engine lives for this one call: no swap space (nor its bandwidth probe), no CUDA graphs
+        to capture, unless the caller asks for them."""
         options = dict(options or {})
         config = EngineConfig.from_dict(options)
         if config.num_blocks is None and config.kv_cache_memory is None:
             need = sum(blocks_needed(len(p) + self.max_new_tokens, config.block_size) for p in self.prompts)
-            config = config.replace(num_blocks=need + 1)
+            config = config.replace(num_blocks=need,
+                                    preemption_mode=options.get("preemption_mode", "recompute"),
+                                    cuda_graphs=options.get("cuda_graphs", False))
         return config
 
     # ---- controller protocol ------------------------------------------------------------------------
@@ -173,7 +177,7 @@ class GenerateRun:
             first = self.requests[-1] if b and prompt == self.prompts[b - 1] else None
             while first is not None and first.index > 0 and self.prompts[first.index - 1] == prompt:
                 first = self.requests[first.index - 1]
-            self.requests += engine.add_request(prompt, params, index=b, controller=controller, fork_of=first)
+            self.requests += engine.add_request(prompt, params, index=b, controller=controller, fork_of=first).samples
         while engine.has_unfinished and self.error is None:
             engine.step()
             self.stream_ready()

@@ -1,7 +1,7 @@
 """Paged KV memory: block pool, block tables, KV tensors. Knows nothing about models or transformers."""
-from .block_pool import Block, BlockPool, FreeBlockQueue
+from .block_pool import NULL_BLOCK, Block, BlockPool, FreeBlockQueue
 from .cache import KVCache, KVCacheSpec, choose_num_blocks
 from .manager import KVCacheManager, blocks_needed
 
-__all__ = ["Block", "BlockPool", "FreeBlockQueue", "KVCache", "KVCacheSpec", "KVCacheManager",
+__all__ = ["NULL_BLOCK", "Block", "BlockPool", "FreeBlockQueue", "KVCache", "KVCacheSpec", "KVCacheManager",
            "blocks_needed", "choose_num_blocks"]

@@ -62,8 +62,14 @@ class FreeBlockQueue:
         return block
 
 
+NULL_BLOCK = 0  # a block of the KV storage that is never handed out: padding rows and table padding point at it
+
+
 class BlockPool:
-    """`num_blocks` blocks with reference counts and lazy eviction.
+    """`num_blocks` usable blocks (ids 1..num_blocks) with reference counts and lazy eviction.
+
+    Block id 0 is the reserved null block: the KV storage has `num_blocks + 1` blocks, and padding (table entries
+    past a sequence's length, padding rows of a padded step) points at block 0, which no request ever owns.
 
     Freed blocks without a hash go to the front of the free queue (reused first, lowest first, so a lightly
     loaded pool keeps few pages resident); freed hashed blocks go to the back, in least-recently-used order,
@@ -74,8 +80,8 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.blocks = [Block(i) for i in range(num_blocks + 1)]  # blocks[NULL_BLOCK] is never free nor held
+        self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK + 1:])
         self.cached: dict[bytes, Block] = {}
 
     @property
@@ -101,6 +107,8 @@ class BlockPool:
         first and a table's first block is handed out first."""
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
+            if block_id == NULL_BLOCK:
+                raise RuntimeError("the null KV block is never handed out, so it cannot be freed")
             if block.ref_count <= 0:
                 raise RuntimeError(f"KV block {block_id} freed twice")
             block.ref_count -= 1
@@ -136,6 +144,12 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         block.parent, block.parent_generation = parent, parent.generation if parent is not None else 0
         self.cached[block_hash] = block
+
+    def uncache(self, block_id: int) -> None:
+        """Make a block unfindable in the prefix map (its contents are not to be trusted)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            self._evict(block)
 
     def _evict(self, block: Block) -> None:
         if self.cached.get(block.block_hash) is block:

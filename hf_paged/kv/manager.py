@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .block_pool import Block, BlockPool
+from .block_pool import NULL_BLOCK, Block, BlockPool
 from .hashing import hash_block
 
 
@@ -36,7 +36,10 @@ class KVCacheManager:
 
     Invariants: a request's table covers `num_computed_tokens + scheduled new tokens` slots after a
     successful `allocate_slots`, and is empty after `free`. Only full blocks whose tokens are all computed
-    are ever hashed, so a shared block is never written again.
+    are ever hashed, so a shared block is never written again. The manager never changes a sequence's
+    `num_computed_tokens` (the scheduler does); it tells the scheduler how many tokens a prefix hit covers.
+    Blocks whose memory must be cleared before use (never used yet, or last held by a request whose K/V went
+    non-finite) are reported once by `take_blocks_to_clear` when handed out.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -45,7 +48,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hit_tokens = 0
         self.query_tokens = 0
-        self._fresh: list[int] = []  # handed out since the last take_fresh_blocks()
+        self._fresh: list[int] = []  # handed out since the last take_blocks_to_clear() and not clean
+        self._clean = bytearray(num_blocks + 1)  # 1: the block's memory holds finite values
+        self._clean[NULL_BLOCK] = 1  # cleared once when the cache is created (see take_blocks_to_clear)
         self._copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) not yet executed
 
     @property
@@ -59,7 +64,7 @@ class KVCacheManager:
         while len(keys) < count:
             i = len(keys)
             keys.append(hash_block(keys[-1] if keys else None, tokens[i * bs:(i + 1) * bs], request.cache_salt))
-        return keys
+        return keys[:count]
 
     def computed_blocks(self, request: Sequence) -> list[Block]:
         """Cached blocks matching the request's leading full blocks. The last token is always left to compute
@@ -93,17 +98,17 @@ class KVCacheManager:
         need = blocks_needed(request.num_tokens, self.block_size) - len(hits)
         return need <= self.pool.num_free_blocks - revived
 
-    def admit(self, request: Sequence, hits: list[Block]) -> None:
-        """Start the request's table with its prefix hits (their tokens count as computed)."""
+    def admit(self, request: Sequence, hits: list[Block]) -> int:
+        """Start the request's table with its prefix hits. Returns how many tokens they hold (computed already)."""
         self.pool.touch(hits)
         request.block_table = [block.block_id for block in hits]
-        request.num_computed_tokens = len(hits) * self.block_size
+        return len(hits) * self.block_size
 
-    def count_lookup(self, request: Sequence) -> None:
+    def count_lookup(self, request: Sequence, num_hit_tokens: int) -> None:
         """Hit / query counters, once per admission that went through."""
         if self.enable_prefix_caching:
             self.query_tokens += request.num_tokens
-            self.hit_tokens += request.num_computed_tokens
+            self.hit_tokens += num_hit_tokens
 
     def cache_full_blocks(self, request: Sequence) -> None:
         """Publish the request's newly completed blocks to the prefix map."""
@@ -134,10 +139,10 @@ class KVCacheManager:
         return None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give `child` the parent's table (one more reference on every block) and computed length."""
+        """Give `child` the parent's table (one more reference on every block); the caller gives it the parent's
+        computed length."""
         self.pool.touch([self.pool.blocks[i] for i in parent.block_table])
         child.block_table = list(parent.block_table)
-        child.num_computed_tokens = parent.num_computed_tokens
         child.block_hashes = list(parent.block_hashes)
         child.num_published_blocks = parent.num_published_blocks
 
@@ -146,12 +151,11 @@ class KVCacheManager:
         copies, self._copies = self._copies, []
         return copies
 
-    def allocate_slots(self, request: Sequence, num_new_tokens: int, reserve: int = 0) -> bool:
-        """Extend the table to hold `num_new_tokens` more tokens, keeping `reserve` blocks free; a block the
-        request shares and is about to write is first replaced by a private copy.
-        Returns False (and changes nothing) when the pool cannot cover it."""
+    def allocate_slots(self, request: Sequence, num_new_tokens: int) -> bool:
+        """Extend the table to hold `num_new_tokens` more tokens; a block the request shares and is about to write
+        is first replaced by a private copy. Returns False (and changes nothing) when the pool cannot cover it."""
         need = self.num_new_blocks(request, num_new_tokens)
-        if need > self.pool.num_free_blocks - reserve:
+        if need > self.pool.num_free_blocks:
             return False
         shared = self._shared_write_block(request)
         if shared is not None:
@@ -163,20 +167,33 @@ class KVCacheManager:
         if need:
             ids = self.pool.allocate(need)
             request.block_table.extend(ids)
-            self._fresh.extend(ids)
+            self._fresh.extend(b for b in ids if not self._clean[b])
         return True
 
-    def take_fresh_blocks(self) -> list[int]:
-        """Blocks handed out since the last call (the runner clears their memory once)."""
+    def allocate_blocks(self, count: int) -> list[int]:
+        """`count` new blocks outside any table growth (a swapped request's way back in). Callers check room."""
+        ids = self.pool.allocate(count)
+        self._fresh.extend(b for b in ids if not self._clean[b])
+        return ids
+
+    def take_blocks_to_clear(self) -> list[int]:
+        """Blocks handed out since the last call whose memory must be cleared before the next forward pass
+        (masked slots are read too, so they must never hold NaN). Each is reported once; it counts as clean
+        from then on, since only finite K/V are ever written to it afterwards."""
         fresh, self._fresh = self._fresh, []
+        for b in fresh:
+            self._clean[b] = 1
         return fresh
+
+    def discard_contents(self, request: Sequence) -> None:
+        """The request's K/V may be non-finite (its forward pass went wrong): take its blocks out of the prefix
+        map, so no later request hits them, and clear each again before it is next handed out. Blocks it shares
+        with running requests keep serving them untouched (they are cleared only once handed out anew)."""
+        for block_id in request.block_table:
+            self.pool.uncache(block_id)
+            self._clean[block_id] = 0
 
     def free(self, request: Sequence) -> None:
         self.pool.free(request.block_table)
         request.block_table = []
         request.num_published_blocks = 0
-
-    def slot_mapping(self, request: Sequence, start: int, end: int) -> list[int]:
-        """Flat slot (block_id * block_size + offset) of token positions [start, end)."""
-        bs, table = self.block_size, request.block_table
-        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]

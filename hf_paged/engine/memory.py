@@ -1,0 +1,78 @@
+"""The engine's KV memory: how big the pool is, the cache tensors, the host swap pool, and the block moves a
+step's plan asks for before its forward pass."""
+from __future__ import annotations
+
+import torch
+
+from ..config import EngineConfig, default_kv_cache_bytes, default_swap_bytes, logger
+from ..kv import NULL_BLOCK, KVCache, KVCacheSpec, choose_num_blocks
+from ..kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
+from .plan import StepPlan
+
+
+class KVMemory:
+    """`num_blocks` pool blocks plus the null block (id 0) in one `KVCache`, and an optional host `SwapPool`.
+
+    Invariants: the null block holds zeros from the start and only padding ever writes it; every block the pool
+    hands out is cleared before its first forward pass (the plan's `blocks_to_clear`), so masked slots never hold
+    NaN. `copy_bytes_per_s` is measured only when there is swap space to decide about.
+    """
+
+    def __init__(self, spec: KVCacheSpec, config: EngineConfig):
+        budget = config.kv_cache_memory or default_kv_cache_bytes(spec.device)
+        self.num_blocks = choose_num_blocks(spec, config.block_size, config.num_blocks, budget)
+        if config.num_blocks is None and self.num_blocks > 1:
+            self.num_blocks -= 1  # the null block comes out of the byte budget too
+        self.cache = KVCache(spec, self.num_blocks + 1, config.block_size)  # + the null block
+        self.cache.storage[:, :, NULL_BLOCK].zero_()
+        self.swap = self._make_swap_pool(spec, config)
+        self.copy_bytes_per_s = measure_copy_bandwidth(self.cache) if self.swap is not None else None
+
+    def _make_swap_pool(self, spec: KVCacheSpec, config: EngineConfig) -> SwapPool | None:
+        if config.preemption_mode == "recompute":
+            return None
+        budget = config.swap_space
+        budget = default_swap_bytes(spec.device) if budget is None else budget
+        num_blocks = budget // spec.bytes_per_block(config.block_size)
+        if num_blocks < 1:
+            if config.preemption_mode == "swap":
+                raise ValueError("preemption_mode='swap' needs swap_space (bytes) for at least one block")
+            return None
+        logger.info("hf_paged swap space: %d blocks (%.1f MiB)", num_blocks, budget / 2**20)
+        return SwapPool(self.cache, int(num_blocks))
+
+    def apply(self, plan: StepPlan) -> None:
+        """Run the plan's block moves: save swapped-out blocks, clear newly handed-out ones, copy-on-write copies,
+        restore swapped-in ones (in that order: freed blocks may be handed out again in the same step)."""
+        for device_ids, host_ids in plan.swap_out:
+            self.swap.swap_out(self.cache, device_ids, host_ids)
+        if plan.swap_out:
+            self.swap.synchronize()
+        self.clear(plan.blocks_to_clear)
+        if plan.copies:
+            sources, destinations = zip(*plan.copies)
+            copy_blocks(self.cache.storage, self.cache.storage, list(sources), list(destinations))
+        for host_ids, device_ids in plan.swap_in:
+            self.swap.swap_in(self.cache, host_ids, device_ids)
+        if plan.swap_in:
+            self.swap.synchronize()
+            for host_ids, _ in plan.swap_in:
+                self.swap.free(host_ids)
+
+    def clear(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        storage = self.cache.storage
+        if len(block_ids) <= 8:  # a few strided views beat one advanced-index write
+            for b in block_ids:
+                storage[:, :, b].zero_()
+        else:
+            storage[:, :, torch.tensor(block_ids, device=storage.device)] = 0
+
+    @property
+    def num_swap_blocks_free(self) -> int:
+        return self.swap.num_free if self.swap is not None else 0
+
+    def check_swap_idle(self) -> None:
+        if self.swap is not None and self.swap.num_free != self.swap.num_blocks:
+            raise AssertionError(f"swap blocks still held: {self.swap.num_blocks - self.swap.num_free}")

@@ -1,0 +1,38 @@
+"""What callers get back: `RequestOutput`s built from a request group (text decoded once, at the end)."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..request import CompletionOutput, Request, RequestGroup, RequestOutput
+
+
+def completion(request: Request, detokenize: Callable[[list[int]], str] | None) -> CompletionOutput:
+    """One sample's result. Text (finished samples only) ends before a stop string that ended it."""
+    text = None
+    if request.is_finished and detokenize is not None:
+        text = detokenize(request.output_token_ids)
+        stop = request.stop_reason
+        if isinstance(stop, str) and stop in text:
+            text = text[: text.index(stop)]
+    return CompletionOutput(request.sample_index, list(request.output_token_ids), text, request.finish_reason,
+                            request.logprobs, request.error)
+
+
+def group_output(group: RequestGroup, samples: list[Request] | None,
+                 detokenize: Callable[[list[int]], str] | None) -> RequestOutput:
+    """The output of `samples` (default: all) of one prompt, samples in order."""
+    samples = group.samples if samples is None else sorted(samples, key=lambda r: r.sample_index)
+    first = group.samples[0]
+    return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+                         [completion(r, detokenize) for r in samples],
+                         num_cached_tokens=max(0, first.num_cached_tokens),
+                         finished=all(r.is_finished for r in samples), metrics=metrics(group))
+
+
+def metrics(group: RequestGroup) -> dict:
+    """Wall-clock timings of one prompt's samples (seconds since it was added)."""
+    firsts = [r.first_token_time for r in group.samples if r.first_token_time is not None]
+    ends = [r.finished_time for r in group.samples if r.finished_time is not None]
+    return {"time_to_first_token_s": min(firsts) - group.arrival_time if firsts else None,
+            "latency_s": max(ends) - group.arrival_time if len(ends) == len(group.samples) else None,
+            "num_preemptions": sum(r.num_preemptions for r in group.samples)}

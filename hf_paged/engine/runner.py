@@ -9,7 +9,7 @@ import time
 
 from ..attention import AttentionMetadata, choose_backends
 from ..kv import KVCache
-from ..model import ModelSpec, PagedForwardContext, paged_attention_active
+from ..model import ModelSpec, PagedForwardContext, SmallBatchLinears, paged_attention_active
 from ..sampling import Sampler
 from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
 from .plan import StepOutcome, StepPlan
@@ -39,6 +39,7 @@ class ModelRunner:
         self.device = spec.kv.device
         self.backends = choose_backends(backend, self.device)  # decides each kind of attention call once
         self.block_size = kv_cache.block_size
+        self.linears = SmallBatchLinears(model)  # decode-sized steps on CPU: weight-streaming matmuls
         # decode-only steps padded to a bucket and replayed as CUDA graphs (None: every step eager; see cuda_graphs.py)
         self.graphs = DecodeGraphRunner(self, graphs) if graphs is not None else None
 
@@ -100,7 +101,7 @@ class ModelRunner:
         kwargs = {}
         if sample_rows is not None and self.spec.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = sample_rows
-        with paged_attention_active(self.spec.configs):
+        with paged_attention_active(self.spec.configs), self.linears.active(input_ids.shape[1]):
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              paged_context=context, **kwargs)
         logits = out.logits[0]

@@ -152,3 +152,23 @@ def test_store_kv_quantizes_into_fp8_pages():
     flat = cache.view(-1, 2, 16).float()
     torch.testing.assert_close(flat[[0, 9, 31]] * 0.5, new, atol=4.0, rtol=0.07)
     assert flat[1].abs().sum() == 0
+
+
+def test_a_damaged_cached_cpu_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """A truncated .so in the cache (an interrupted copy, a full disk) would kill the process when mapped: the
+    build's size + hash stamp does not match it, so it is rebuilt instead."""
+    from hf_paged.attention import cpu_kernel
+
+    monkeypatch.setenv("HF_PAGED_CACHE_DIR", str(tmp_path))
+    try:
+        built = cpu_kernel._build()
+    except (RuntimeError, OSError) as e:  # no C compiler here: nothing to check
+        pytest.skip(f"no C compiler: {e}")
+    whole = built.read_bytes()
+    built.write_bytes(whole[: len(whole) // 3])  # truncated in place
+    assert not cpu_kernel._is_complete(built)
+    again = cpu_kernel._build()
+    assert again == built and len(again.read_bytes()) > len(whole) // 3 and cpu_kernel._is_complete(again)
+    built.with_suffix(".sha256").unlink()  # a build without its stamp (e.g. from an older version) is rebuilt too
+    assert not cpu_kernel._is_complete(built)
+    cpu_kernel.CpuDecodeKernel(cpu_kernel._build())  # and loads

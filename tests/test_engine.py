@@ -210,3 +210,21 @@ def test_fp8_kv_cache_quarter_memory_and_close_outputs(llama):
 def test_unavailable_attention_backend_is_refused_up_front(llama):
     with pytest.raises(ValueError, match="attention_backend 'flash3' cannot run on cpu"):
         LLM(llama, attention_backend="flash3")
+
+
+def test_a_healthy_retry_after_non_finite_kv_gets_right_tokens():
+    """The failed request's blocks leave the prefix cache: retrying the same prompt once the model is healthy again
+    recomputes it instead of hitting its NaN blocks."""
+    model = cached_model("llama", max_len=256)
+    poison = 250
+    prompt = [4, 5, 6, poison] + list(range(20, 60))  # several full blocks after the NaN token
+    saved = model.get_input_embeddings().weight[poison].clone()
+    llm = LLM(model, block_size=4)
+    model.get_input_embeddings().weight.data[poison] = float("nan")
+    try:
+        assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].finish_reason == "error"
+    finally:
+        model.get_input_embeddings().weight.data[poison] = saved
+    retry = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert retry.finish_reason == "length" and retry.token_ids == hf_greedy(model, prompt, 12)
+    llm.engine.check_idle()

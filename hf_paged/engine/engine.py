@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -71,6 +72,7 @@ class Engine:
         self.groups: dict[str, RequestGroup] = {}  # unfinished (or not yet collected) prompts by request id
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self.lock = threading.RLock()  # add_request / abort / step from several threads run one at a time
 
     # ---- input ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int], index: int) -> list[int]:
@@ -98,10 +100,14 @@ class Engine:
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt, index)
         self.check_request(index, token_ids, params)
+        with self.lock:
+            return self._add(token_ids, params, request_id, priority, index, controller,
+                             prompt if isinstance(prompt, str) else prompt_text, fork_of)
+
+    def _add(self, token_ids, params, request_id, priority, index, controller, text, fork_of) -> RequestGroup:
         request_id = self._new_id() if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request {index}: request_id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else prompt_text
         group = RequestGroup(request_id, index, text, token_ids)
         for sample in range(params.n):
             request = Request(group, token_ids, params, self.eos_token_ids, next(self._arrivals), priority, sample,
@@ -117,12 +123,13 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop every sample of a request and free its memory. Returns whether the id was known."""
-        group = self.groups.pop(str(request_id), None)
-        if group is None:
-            return False
-        for request in group.samples:
-            self.scheduler.abort(request)
-        return True
+        with self.lock:
+            group = self.groups.pop(str(request_id), None)
+            if group is None:
+                return False
+            for request in group.samples:
+                self.scheduler.abort(request)
+            return True
 
     @property
     def has_unfinished(self) -> bool:
@@ -131,14 +138,15 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one forward pass. Returns the requests that received a token or finished this step."""
-        plan = self.scheduler.schedule()
-        if not plan.requests:
-            if self.scheduler.has_work:
-                raise RuntimeError("scheduler made no progress although requests are waiting")
-            return []
-        self.memory.apply(plan)
-        outcome = self.runner.run(plan, self.sampler)
-        return self.scheduler.update(plan, outcome)
+        with self.lock:
+            plan = self.scheduler.schedule()
+            if not plan.requests:
+                if self.scheduler.has_work:
+                    raise RuntimeError("scheduler made no progress although requests are waiting")
+                return []
+            self.memory.apply(plan)
+            outcome = self.runner.run(plan, self.sampler)
+            return self.scheduler.update(plan, outcome)
 
     # ---- output --------------------------------------------------------------------------------
     def detokenize(self, token_ids: list[int]) -> str:

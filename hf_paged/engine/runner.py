@@ -9,7 +9,7 @@ import time
 
 from ..attention import AttentionMetadata, choose_backends
 from ..kv import KVCache
-from ..model import ModelSpec, PagedForwardContext, SmallBatchLinears, paged_attention_active
+from ..model import ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock, paged_attention_active
 from ..sampling import Sampler
 from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
 from .plan import StepOutcome, StepPlan
@@ -101,7 +101,8 @@ class ModelRunner:
         kwargs = {}
         if sample_rows is not None and self.spec.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = sample_rows
-        with paged_attention_active(self.spec.configs), self.linears.active(input_ids.shape[1]):
+        with forward_lock(self.model), paged_attention_active(self.spec.configs), \
+                self.linears.active(input_ids.shape[1]):
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              paged_context=context, **kwargs)
         logits = out.logits[0]

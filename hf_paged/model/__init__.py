@@ -1,7 +1,7 @@
 """How the engine drives a transformers model: what it is (`describe_model` / `ModelSpec`) and the "paged"
 attention function that reads and writes the KV pages during one packed forward pass."""
-from .paged_forward import PagedForwardContext, paged_attention_active, register, unregister
+from .paged_forward import PagedForwardContext, forward_lock, paged_attention_active, register, unregister
 from .small_linear import SmallBatchLinears
 from .spec import ModelSpec, describe_model
 
-__all__ = ["SmallBatchLinears", "ModelSpec", "describe_model", "PagedForwardContext", "paged_attention_active", "register", "unregister"]
+__all__ = ["SmallBatchLinears", "ModelSpec", "describe_model", "PagedForwardContext", "forward_lock", "paged_attention_active", "register", "unregister"]

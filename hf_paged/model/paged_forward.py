@@ -1,9 +1,9 @@
 """The "paged" attention implementation as transformers sees it, plus its (empty) mask function."""
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-
 
 from ..attention import AttentionBackends, AttentionMetadata, store_kv
 from ..kv import KVCache
@@ -43,6 +43,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 def paged_mask(*args, **kwargs):
     """Paged attention derives causality from the metadata: transformers must build no mask."""
     return None
+
+
+def forward_lock(model) -> threading.RLock:
+    """The model's own lock (made on first use, kept on the model object): engines hold it for a whole forward, in
+    which they switch the model's attention implementation and linear layers, so two engines (or threads) on one
+    model never interleave those switches and the model is always left as it was found."""
+    return model.__dict__.setdefault("_hf_paged_forward_lock", threading.RLock())  # dict.setdefault is atomic
 
 
 @contextmanager

@@ -1,0 +1,64 @@
+"""Concurrent callers: several threads on one LLM, and two engines on one model."""
+import threading
+
+import torch
+
+from hf_paged import LLM, SamplingParams
+
+from conftest import cached_model
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def batches(count, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in torch.randint(2, 30, (4,), generator=gen)]
+            for _ in range(count)]
+
+
+def run_threads(jobs):
+    results, errors = [None] * len(jobs), []
+
+    def work(i, job):
+        try:
+            results[i] = job()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i, job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    return results
+
+
+def tokens(outputs):
+    return [o.token_ids for o in outputs]
+
+
+def test_threads_calling_generate_on_one_llm_get_their_own_right_outputs():
+    model = cached_model("llama")
+    work = batches(4, seed=11)
+    expected = [tokens(LLM(model).generate(b, GREEDY, use_tqdm=False)) for b in work]
+    llm = LLM(model, block_size=8, num_blocks=48)  # tight enough that the threads' requests preempt each other
+    got = run_threads([lambda b=b: tokens(llm.generate(b, GREEDY, use_tqdm=False)) for b in work])
+    assert got == expected
+    llm.engine.check_idle()
+
+
+def test_two_engines_on_one_model_leave_it_as_found():
+    model = cached_model("llama")
+    before = model.config._attn_implementation
+    work = batches(2, seed=12)
+    expected = [tokens(LLM(model).generate(b, GREEDY, use_tqdm=False)) for b in work]
+    first, second = LLM(model), LLM(model)
+    for _ in range(3):
+        got = run_threads([lambda: tokens(first.generate(work[0], GREEDY, use_tqdm=False)),
+                           lambda: tokens(second.generate(work[1], GREEDY, use_tqdm=False))])
+        assert got == expected
+    assert model.config._attn_implementation == before
+    assert all("forward" not in vars(m) for m in model.modules())  # no swapped linear forward left behind
+    ids = torch.tensor([work[0][0]])
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)  # plain HF works

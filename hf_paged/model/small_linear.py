@@ -8,10 +8,11 @@ mathematically; only the order of the floating-point sums differs (like any othe
 
 `SmallBatchLinears.active(num_rows)` swaps the `forward` of each plain `torch.nn.Linear` of the model (exact type:
 subclasses such as quantized layers keep theirs) for the duration of one forward pass, and restores them after, even
-on error. Only fp32 CPU weights take it; elsewhere it does nothing.
+on error. Only fp32 CPU weights take it; elsewhere it does nothing. `HF_PAGED_SMALL_LINEARS=0` turns it off.
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -44,7 +45,8 @@ class SmallBatchLinears:
     """The model's plain fp32 CPU linear layers, found once; `active(num_rows)` is a context for one forward."""
 
     def __init__(self, model: torch.nn.Module):
-        self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear
+        enabled = os.environ.get("HF_PAGED_SMALL_LINEARS", "1") != "0"
+        self.modules = [m for m in model.modules() if enabled and type(m) is torch.nn.Linear
                         and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
         self.forwards = [_small_batch_forward(m) for m in self.modules]
 

@@ -10,7 +10,7 @@ import torch
 from ..attention.dispatch import unavailable
 from ..config import EngineConfig
 from ..kv import KVCacheManager
-from ..model import describe_model
+from ..model import check_paged_matches_model, describe_model
 from ..request import Request, RequestGroup, RequestOutput
 from ..sampling import Sampler, SamplingParams
 from .cuda_graphs import DecodeGraphSettings
@@ -64,6 +64,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, kv, self.memory.swap, costs, self.max_model_len, detokenize)
         graphs = DecodeGraphSettings.for_engine(self.config, device, self.memory.num_blocks, self.max_model_len)
         self.runner = ModelRunner(model, self.spec, self.memory.cache, self.config.attention_backend, graphs)
+        check_paged_matches_model(model, self.spec, self.runner.backends)  # refuse a model we would serve wrong
         self.sampler = Sampler(device, self.config.seed)
         self.limits = Limits(self.spec.vocab_size, self.max_model_len, self.memory.num_blocks, self.config)
         self.eos_token_ids = tuple(sorted(set(

@@ -21,8 +21,10 @@ class ModelSpec:
 
 
 def describe_model(model: torch.nn.Module) -> ModelSpec:
-    """Validate that every layer is plain full or sliding-window attention routed through transformers'
-    AttentionInterface, and read the KV shapes. Raises ValueError naming the model type and the reason."""
+    """Refuse what the config already shows cannot be paged (encoder-decoder, layers other than full or sliding
+    attention), and read the KV shapes. Whether the model's attention really goes through transformers'
+    AttentionInterface, with those shapes and nothing the paged function ignores, is decided by what it does:
+    `probe.check_paged_matches_model` runs it once. Raises ValueError naming the model type and the reason."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "generation_config"):
         raise ValueError(f"{type(model).__name__} is not a transformers generative model")
@@ -35,9 +37,6 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     if odd:
         raise ValueError(f"model type {model_type!r} has layers of type {odd}; hf_paged supports only "
                          f"full and sliding-window attention layers (no linear attention / state-space layers)")
-    if not getattr(type(model), "_supports_attention_backend", False):
-        raise ValueError(f"model type {model_type!r} does not route attention through transformers' "
-                         f"AttentionInterface, so its KV cache cannot be paged")
     num_heads = getattr(text, "num_attention_heads", None)
     num_layers = getattr(text, "num_hidden_layers", None)
     hidden = getattr(text, "hidden_size", None)

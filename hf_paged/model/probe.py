@@ -50,6 +50,10 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
                         use_cache=False, paged_context=context)
         if context.num_calls != spec.kv.num_layers:
             model_type = getattr(model.config, "model_type", type(model).__name__)
+            if context.num_calls > spec.kv.num_layers:
+                raise UnsupportedAttention(f"model type {model_type!r}: its {spec.kv.num_layers} layers call attention "
+                                           f"{context.num_calls} times per forward (e.g. differential attention); the "
+                                           f"paged cache holds one K/V per layer")
             raise UnsupportedAttention(f"model type {model_type!r}: {context.num_calls} of its {spec.kv.num_layers} "
                                        f"layers route attention through transformers' AttentionInterface, so its KV "
                                        f"cache cannot be paged")

@@ -1,0 +1,28 @@
+"""A fast subset of the model census (benchmarks/models.py): the same code path, a few telling model types."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("census", Path(__file__).resolve().parent.parent / "benchmarks" / "models.py")
+census = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(census)
+
+
+@pytest.mark.parametrize("model_type, outcome, reason", [
+    ("llama", "exact", ""),
+    ("granite", "exact", ""),
+    ("gpt_oss", "refused", "s_aux"),  # attention sinks: refused, never ignored
+    ("jetmoe", "refused", "produces K/V with 4 heads"),  # K/V shapes read from what the modules produce
+    ("diffllama", "refused", "call attention 4 times"),  # differential attention
+    ("llama4", "refused", "chunked_attention"),
+])
+def test_census_outcomes(model_type, outcome, reason):
+    result = census.run_one(model_type)
+    assert result["outcome"] == outcome, result
+    assert reason in result.get("reason", ""), result
+
+
+def test_every_registered_type_is_listed():
+    types = census.model_types()
+    assert len(types) > 100 and "llama" in types and "gpt_oss" in types

@@ -8,8 +8,9 @@ import torch
 from hf_paged.attention import cpu_kernel_status, paged_attention, store_kv
 
 
-def reference(query, keys, values, query_lens, scale, window, softcap):
-    """Per sequence, dense float64: keys/values hold each sequence's whole context [C, H_kv, D]."""
+def reference(query, keys, values, query_lens, scale, window, softcap, sinks=None):
+    """Per sequence, dense float64: keys/values hold each sequence's whole context [C, H_kv, D]. `sinks` [H]: a
+    per-head logit in every row's softmax denominator that contributes no value."""
     outs, start = [], 0
     heads = query.shape[1]
     for q_len, k, v in zip(query_lens, keys, values):
@@ -28,7 +29,12 @@ def reference(query, keys, values, query_lens, scale, window, softcap):
         if window:
             allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv))
+        if sinks is not None:
+            sink = sinks.double()[:, None, None].expand(heads, q_len, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :ctx]
+        else:
+            probs = scores.softmax(-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, vv))
     return torch.cat(outs)
 
 
@@ -172,3 +178,18 @@ def test_a_damaged_cached_cpu_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch
     built.with_suffix(".sha256").unlink()  # a build without its stamp (e.g. from an older version) is rebuilt too
     assert not cpu_kernel._is_complete(built)
     cpu_kernel.CpuDecodeKernel(cpu_kernel._build())  # and loads
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 5.0)])
+def test_attention_sinks_match_float64(backend, window, softcap):
+    """Per-head sink logits (gpt-oss) join the softmax denominator: decodes, fresh prompts and chunks, GQA, with a
+    window or soft-cap ("auto" would otherwise take the native decode kernel, which has no sink input)."""
+    query, kc, vc, cu, ctx, tables, keys, values = make_case(MIXED, 8, 2, 16, 8, torch.float32, seed=5)
+    sinks = torch.linspace(-2.0, 3.0, 8)
+    out = paged_attention(query, kc, vc, cu, ctx, tables, scale=0.3, sliding_window=window, softcap=softcap,
+                          backend=backend, sinks=sinks)
+    ref = reference(query, keys, values, [q for q, _ in MIXED], 0.3, window, softcap, sinks)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    plain = reference(query, keys, values, [q for q, _ in MIXED], 0.3, window, softcap)
+    assert (out.double() - plain).abs().max() > 1e-2  # the sinks really change the result

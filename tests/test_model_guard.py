@@ -17,13 +17,28 @@ def tiny_gpt_oss():
     return tf.AutoModelForCausalLM.from_config(config).eval()
 
 
-def test_attention_sinks_are_refused_at_start_not_ignored():
+def test_gpt_oss_attention_sinks_are_served_exactly():
+    """gpt-oss adds a learnable per-head sink logit to every softmax (`s_aux`): ignoring it gave wrong tokens."""
     model = tiny_gpt_oss()
-    with pytest.raises(ValueError, match=r"'gpt_oss'.*\['s_aux'\]"):
-        LLM(model)
-    ids = torch.tensor([[5, 6, 7]])
-    with pytest.raises(ValueError, match="s_aux"):
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, cache_implementation="paged")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [0, 0, 0, 0, 3, 4, 5, 6, 7, 8]])
+    mask = (ids != 0).long()
+    options = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **options)
+    assert torch.equal(model.generate(ids, cache_implementation="paged", **options), want)
+
+
+def test_attention_arguments_it_does_not_implement_are_refused_at_start():
+    """Any argument a module passes that the paged function does not implement (here an attention bias slipped
+    into one layer) refuses the model when the engine starts, naming the model type and the argument."""
+    model = tiny_model("llama")
+    attention = model.model.layers[1].self_attn
+    original = attention.forward
+    attention.forward = lambda *args, **kwargs: original(*args, **kwargs, alibi_bias=torch.ones(1))
+    try:
+        with pytest.raises(ValueError, match=r"'llama'.*\['alibi_bias'\]"):
+            LLM(model)
+    finally:
+        del attention.forward
 
 
 def test_a_model_whose_attention_differs_is_refused():

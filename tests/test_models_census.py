@@ -12,7 +12,8 @@ spec.loader.exec_module(census)
 @pytest.mark.parametrize("model_type, outcome, reason", [
     ("llama", "exact", ""),
     ("granite", "exact", ""),
-    ("gpt_oss", "refused", "s_aux"),  # attention sinks: refused, never ignored
+    ("gpt_oss", "exact", ""),  # attention sinks join the softmax
+    ("flint", "exact", ""),
     ("jetmoe", "refused", "produces K/V with 4 heads"),  # K/V shapes read from what the modules produce
     ("diffllama", "refused", "call attention 4 times"),  # differential attention
     ("llama4", "refused", "chunked_attention"),

@@ -85,10 +85,15 @@ class AttentionBackends:
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float | None = None, sliding_window: int | None = None,
                softcap: float | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-               kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-        """Paged attention of one layer (see AttentionBackend.forward); `scale` None: head_dim ** -0.5."""
+               kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Paged attention of one layer (see AttentionBackend.forward); `scale` None: head_dim ** -0.5. `sinks`:
+        per-head attention-sink logits [H] (gpt-oss and others); the torch backend implements them, so layers with
+        sinks run on it whichever backend was named (the others have no sink input)."""
         if scale is None:
             scale = query.shape[-1] ** -0.5
+        if sinks is not None:
+            return self._sink_backend().forward(query, key_cache, value_cache, metadata, scale, sliding_window,
+                                                softcap, key, value, kv_scales, sinks=sinks)
         backend = self.backend_for(query, key_cache, metadata, sliding_window, softcap)
         return backend.forward(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
                                kv_scales)
@@ -107,6 +112,10 @@ class AttentionBackends:
             if backend is not None and backend.unsupported_reason(query, key_cache, metadata, sliding_window,
                                                                   softcap) is None:
                 return backend
+        return self._candidate("torch")
+
+    def _sink_backend(self) -> AttentionBackend:
+        """The backend for layers with attention sinks: torch (the explicit-scores path)."""
         return self._candidate("torch")
 
     def _candidate(self, name: str) -> AttentionBackend | None:

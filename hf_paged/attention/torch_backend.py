@@ -52,7 +52,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: SequenceGroupPlan,
                   scale: float, sliding_window: int | None, softcap: float | None, native,
-                  kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                  kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None) -> torch.Tensor:
     if native is not None and plan.max_query_len == 1:
         return native(query[plan.rows], key_cache, value_cache, plan.block_tables, plan.context_lens.view(-1),
                       scale, sliding_window, softcap)
@@ -64,8 +64,8 @@ def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     v = value_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
     k, v = dequantize(k, q.dtype, kv_scales[0]), dequantize(v, q.dtype, kv_scales[1])
     allowed = plan.mask(sliding_window)  # [G, 1, Q, L]
-    if softcap:
-        out = _softcapped(q, k, v, allowed, scale, softcap)
+    if softcap or sinks is not None:
+        out = _softcapped(q, k, v, allowed, scale, softcap, sinks)
     else:
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
                                              enable_gqa=True)
@@ -73,19 +73,27 @@ def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 
 def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                softcap: float) -> torch.Tensor:
-    """Attention with tanh logit soft-capping (SDPA has no such option). q [B, H, Q, D]; k, v [B, H_kv, L, D];
-    query heads are viewed as [H_kv, heads_per_kv * Q] rows so each K/V head is read once per group."""
+                softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with explicit scores: tanh logit soft-capping and / or per-head attention sinks (SDPA has neither).
+    q [B, H, Q, D]; k, v [B, H_kv, L, D]; query heads are viewed as [H_kv, heads_per_kv * Q] rows so each K/V head is
+    read once per group. `sinks` [H]: a per-head logit that joins each row's softmax denominator (after scaling and
+    capping of the real scores) and contributes no value, as gpt-oss's attention defines it."""
     batch, num_heads, max_q, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     per_kv = num_heads // num_kv_heads
     dtype = _compute_dtype(q.dtype)
     rows = q.to(dtype).reshape(batch, num_kv_heads, per_kv * max_q, head_dim)
     scores = torch.matmul(rows, k.to(dtype).transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(batch, num_kv_heads, per_kv, max_q, kv_len).masked_fill_(~allowed[:, :, None],
                                                                                   float("-inf"))
-    probs = scores.softmax(dim=-1).view(batch, num_kv_heads, per_kv * max_q, kv_len)
+    if sinks is not None:
+        sink = sinks.to(dtype).view(1, num_kv_heads, per_kv, 1, 1).expand(batch, -1, -1, max_q, 1)
+        scores = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :kv_len]
+        probs = scores.reshape(batch, num_kv_heads, per_kv * max_q, kv_len)
+    else:
+        probs = scores.softmax(dim=-1).view(batch, num_kv_heads, per_kv * max_q, kv_len)
     return torch.matmul(probs, v.to(dtype)).view(batch, num_heads, max_q, head_dim).to(q.dtype)
 
 
@@ -96,15 +104,15 @@ def _window_mask(length: int, sliding_window: int, device: torch.device) -> torc
 
 
 def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                  sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                  sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One prompt with nothing cached: q [L, H, D], k/v [L, H_kv, D] -> [L, H, D]."""
     length = query.shape[0]
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, L, D]
     windowed = sliding_window is not None and sliding_window < length
-    if softcap:
+    if softcap or sinks is not None:
         allowed = (_window_mask(length, sliding_window, query.device) if windowed
                    else torch.ones(length, length, dtype=torch.bool, device=query.device).tril_())
-        out = _softcapped(q, k, v, allowed[None, None], scale, softcap)
+        out = _softcapped(q, k, v, allowed[None, None], scale, softcap, sinks)
     elif windowed:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,
                                              attn_mask=_window_mask(length, sliding_window, query.device))
@@ -117,11 +125,14 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
                           softcap: float | None = None, key: torch.Tensor | None = None,
                           value: torch.Tensor | None = None, native_decode: bool = False,
-                          kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                          kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """query [T, H, D] -> output [T, H, D]; the new tokens' K/V must already be stored.
     With the new tokens' `key` / `value` ([T, H_kv, D]) fresh prompts skip the page gather.
-    `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built."""
-    native = load_cpu_kernel() if native_decode and usable(query, key_cache) else None
+    `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built (not with `sinks`, per-head
+    attention-sink logits [H], which the explicit-scores path implements)."""
+    use_native = native_decode and sinks is None and usable(query, key_cache)
+    native = load_cpu_kernel() if use_native else None
     if key_cache.dtype in FP8_DTYPES:  # fresh prompts too attend over what the pages hold, as every later step does
         key = value = None
     if native is not None and metadata.num_decode_groups:
@@ -135,13 +146,13 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     out = torch.empty_like(query)
     for plan in groups:
         out.index_copy_(0, plan.rows, _attend_group(query, key_cache, value_cache, plan, scale, sliding_window, softcap,
-                                                    native, kv_scales))
+                                                    native, kv_scales, sinks))
     for start, end in metadata.fresh:
         if key is None:
             key = dequantize(_gather_rows(key_cache, metadata), query.dtype, kv_scales[0])
             value = dequantize(_gather_rows(value_cache, metadata), query.dtype, kv_scales[1])
         out[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale, sliding_window,
-                                       softcap)
+                                       softcap, sinks)
     return out
 
 

@@ -61,6 +61,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, *args, sc
         raise UnsupportedAttention(f"the 'paged' attention implementation got no paged_context: it runs only inside "
                                    f"hf_paged's engine, and a model of type {model_type!r} must pass its forward's "
                                    f"keyword arguments down to its attention modules")
+    sinks = kwargs.pop("s_aux", None)  # per-head attention-sink logits (gpt-oss, granite_swa, flint)
     if args or dropout or kwargs:
         check_supported(module, args, dropout, kwargs)
     paged_context.num_calls += 1
@@ -76,7 +77,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, *args, sc
     scales = cache.scales_for(layer, k, v)
     store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping, *scales)
     out = paged_context.backends.attend(q, cache.key_caches[layer], cache.value_caches[layer], meta, scaling,
-                                        sliding_window, softcap, key=k, value=v, kv_scales=scales)
+                                        sliding_window, softcap, key=k, value=v, kv_scales=scales, sinks=sinks)
     return out[None], None
 
 

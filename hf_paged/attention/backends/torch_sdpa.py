@@ -22,6 +22,6 @@ class TorchBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None,
                 key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None) -> torch.Tensor:
         return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key,
-                                     value, native_decode=self.native_decode, kv_scales=kv_scales)
+                                     value, native_decode=self.native_decode, kv_scales=kv_scales, sinks=sinks)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -10,6 +11,25 @@ import torch
 logger = logging.getLogger("hf_paged")
 
 GiB = 1 << 30
+SEED_LIMIT = 1 << 64  # torch generators take seeds in [0, 2**64)
+
+
+class InputTypeError(TypeError, ValueError):
+    """A value of the wrong type. A TypeError, and also a ValueError, so `except ValueError` catches every bad
+    input the engine refuses up front."""
+
+
+def is_integer(value) -> bool:
+    """True for int and numpy / torch integer scalars; False for bool (True is not a token id nor a count)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Integral):  # int and numpy integers (numpy's bool is not Integral)
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and value.dtype != torch.bool and not (value.is_floating_point() or value.is_complex())
+    return False
+
+
 # the names `attention_backend` takes (attention/dispatch.py maps each to its implementation)
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda", "flash3", "flash2", "flashinfer")
 
@@ -59,12 +79,21 @@ class EngineConfig:
         return config
 
     def validate(self) -> None:
-        def positive(name: str, allow_none: bool = False) -> None:
+        """Raise InputTypeError (a TypeError and a ValueError) for a value of the wrong type, ValueError for a bad
+        value; the message starts with the option's name."""
+        def positive(name: str, allow_none: bool = False, low: int = 1) -> None:
             value = getattr(self, name)
             if value is None and allow_none:
                 return
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if not is_integer(value):
+                raise InputTypeError(f"{name} must be an integer >= {low}, got {type(value).__name__} {value!r}")
+            if value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            setattr(self, name, int(value))
+
+        def boolean(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                raise InputTypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
         positive("block_size")
         if self.block_size & (self.block_size - 1):
@@ -74,12 +103,18 @@ class EngineConfig:
         positive("max_num_seqs")
         positive("max_num_batched_tokens")
         positive("max_model_len", allow_none=True)
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {self.long_prefill_token_threshold!r}")
+        positive("long_prefill_token_threshold", low=0)
+        positive("swap_space", allow_none=True, low=0)
+        boolean("enable_chunked_prefill")
+        boolean("enable_prefix_caching")
+        if self.seed is not None:
+            if not is_integer(self.seed):
+                raise InputTypeError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
+            if not 0 <= self.seed < SEED_LIMIT:
+                raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
+            self.seed = int(self.seed)
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
-        if self.swap_space is not None and (not isinstance(self.swap_space, int) or self.swap_space < 0):
-            raise ValueError(f"swap_space must be a number of bytes >= 0, got {self.swap_space!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "at_start"):
@@ -116,4 +151,5 @@ def default_kv_cache_bytes(device: torch.device) -> int:
     return min(2 * GiB, int(available_host_memory() * 0.2))
 
 
-__all__ = ["EngineConfig", "default_kv_cache_bytes", "available_host_memory", "logger", "field"]
+__all__ = ["EngineConfig", "InputTypeError", "is_integer", "default_kv_cache_bytes", "available_host_memory", "logger",
+           "field"]

@@ -7,6 +7,8 @@ from typing import Any, Sequence
 import torch
 
 from .engine import Engine
+from .engine.intake import (as_params, as_params_list, as_priorities, as_priority, as_prompt_list, check_request,
+                            prompt_text)
 from .request import RequestGroup, RequestOutput
 from .sampling import SamplingParams
 
@@ -22,10 +24,17 @@ class LLM:
         self.engine = Engine(model, tokenizer, **options)
 
     # streaming-style access -----------------------------------------------------------------------
-    def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+    def add_request(self, prompt, params: SamplingParams | dict | None = None, *, request_id: str | None = None,
                     priority: int = 0) -> str:
-        """Queue one prompt; returns its request id. Invalid input raises ValueError before anything is queued."""
-        return self.engine.add_request(prompt, params, request_id=request_id, priority=priority).request_id
+        """Queue one prompt; returns its request id. Invalid input raises ValueError (InputTypeError for a wrong type)
+        before anything is queued. `params` may also be a dict of SamplingParams fields."""
+        engine = self.engine
+        params = as_params(params, 0)
+        priority = as_priority(priority, 0)
+        token_ids = engine.tokenize(prompt, 0)
+        check_request(engine.limits, 0, token_ids, params, has_tokenizer=engine.tokenizer is not None)
+        return engine.add_request(token_ids, params, request_id=request_id, priority=priority,
+                                  prompt_text=prompt_text(prompt)).request_id
 
     def step(self) -> list[RequestOutput]:
         """One engine step; an output for every sample that received a token or finished (with `n` > 1, one per
@@ -47,28 +56,25 @@ class LLM:
         return self.engine.stats()
 
     # offline batch ---------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | dict | Sequence | None = None,
                  *, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Outputs in input order. Every prompt and its parameters are validated before any work starts."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-            params_list = list(sampling_params)
-        else:
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        """Outputs in input order. Every prompt and its parameters are validated before any work starts: a bad one
+        raises ValueError (InputTypeError, also a TypeError, for a wrong type) naming it ("request 2: ...") and nothing
+        is queued. `sampling_params`: None, one SamplingParams (or dict of its fields) for all, or one per prompt."""
+        prompts = as_prompt_list(prompts)
+        params_list = as_params_list(sampling_params, len(prompts))
+        priorities = as_priorities(priority, len(prompts))
         engine = self.engine
-        tokenized = [engine.tokenize(p, i) for i, p in enumerate(prompts)]
-        for i, (ids, params) in enumerate(zip(tokenized, params_list)):
-            engine.check_request(i, ids, params)
+        has_tokenizer = engine.tokenizer is not None
+        tokenized = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            tokenized.append(engine.tokenize(prompt, i))
+            check_request(engine.limits, i, tokenized[-1], params, has_tokenizer=has_tokenizer)
         groups: list[RequestGroup] = []
         try:
             for i, (ids, params) in enumerate(zip(tokenized, params_list)):
-                text = prompts[i] if isinstance(prompts[i], str) else None
-                groups.append(engine.add_request(ids, params, index=i, prompt_text=text,
-                                                 priority=priority[i] if priority else 0))
+                groups.append(engine.add_request(ids, params, index=i, prompt_text=prompt_text(prompts[i]),
+                                                 priority=priorities[i]))
             self._run(groups, use_tqdm)
         except BaseException:
             for group in groups:  # an exception (or Ctrl-C) leaves none of this call's requests behind

@@ -1,14 +1,21 @@
 """Sampling parameters (vLLM names) and the batched sampler that runs on the model's device."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
 
+from .config import SEED_LIMIT, InputTypeError, is_integer
+
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+
 
 @dataclass(slots=True)
 class SamplingParams:
-    """Per-request decoding settings. `validate()` raises ValueError naming the bad field."""
+    """Per-request decoding settings. `validate()` raises ValueError naming the bad field (InputTypeError, a TypeError
+    and a ValueError, for a value of the wrong type). A temperature below 1e-5 samples greedily."""
 
     max_tokens: int = 16
     min_tokens: int = 0
@@ -28,20 +35,46 @@ class SamplingParams:
     cache_salt: str | None = None  # requests with different salts never share KV blocks
 
     def __post_init__(self) -> None:
+        # one stop string / one stop token id is a list of one; anything else odd is left for validate() to name
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        elif self.stop is None or isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop or [])
+        if isinstance(self.stop_token_ids, torch.Tensor):
+            self.stop_token_ids = self.stop_token_ids.reshape(-1).tolist()
+        elif is_integer(self.stop_token_ids):
+            self.stop_token_ids = [self.stop_token_ids]
+        elif self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, logits / temperature overflow float32 to inf and softmax gives NaN: take the argmax (vLLM's rule)
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
+        """Raise InputTypeError (a TypeError and a ValueError) for a value of the wrong type, ValueError for a bad
+        value; the message starts with the field's name. Integer-like values (numpy / torch scalars) become int.
+        Limits that depend on the model (the vocabulary for logprobs and stop_token_ids) are checked by the engine."""
         def integer(name: str, low: int) -> None:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            if not is_integer(value):
+                raise InputTypeError(f"{name} must be an integer >= {low}, got {type(value).__name__} {value!r}")
+            if value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            setattr(self, name, int(value))
+
+        def real(name: str, allowed: str, ok) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise InputTypeError(f"{name} must be a number {allowed}, got {type(value).__name__} {value!r}")
+            try:
+                number = float(value)
+            except OverflowError:  # an int beyond float's range
+                number = math.inf
+            if not (math.isfinite(number) and ok(number)):  # also rejects NaN and inf
+                raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
+            setattr(self, name, number)
 
         integer("max_tokens", 1)
         integer("min_tokens", 0)
@@ -49,25 +82,35 @@ class SamplingParams:
         integer("top_k", -1)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+        real("temperature", ">= 0", lambda v: v >= 0.0)
+        real("top_p", "in (0, 1]", lambda v: 0.0 < v <= 1.0)
+        real("min_p", "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        real("repetition_penalty", "> 0", lambda v: v > 0.0)
+        real("presence_penalty", "in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
+        real("frequency_penalty", "in [-2, 2]", lambda v: -2.0 <= v <= 2.0)
+        if self.seed is not None:  # sample i of n draws from a torch generator seeded with seed + i
+            if not is_integer(self.seed):
+                raise InputTypeError(f"seed must be an integer in [0, 2**64) or None, got {type(self.seed).__name__} "
+                                     f"{self.seed!r}")
+            if not 0 <= self.seed <= SEED_LIMIT - self.n:
+                raise ValueError(f"seed must be an integer in [0, 2**64 - n] (sample i of n uses seed + i), got "
+                                 f"{self.seed!r}")
+            self.seed = int(self.seed)
+        if self.logprobs is not None:
+            integer("logprobs", 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise InputTypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {type(self.cache_salt).__name__}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InputTypeError(f"cache_salt must be a string or None, got {type(self.cache_salt).__name__}")
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) for s in self.stop):
+            raise InputTypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(is_integer(t) for t in self.stop_token_ids):
+            raise InputTypeError(f"stop_token_ids must be a list of integer token ids, got {self.stop_token_ids!r}")
+        if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
 
 
 def _penalize(logits: torch.Tensor, history: list[list[int]], outputs: list[list[int]], params: list[SamplingParams]):

@@ -15,7 +15,7 @@ from ..request import Request, RequestGroup, RequestOutput
 from ..sampling import Sampler, SamplingParams
 from .cuda_graphs import DecodeGraphSettings
 from .host_allocator import tune_host_allocator
-from .intake import Limits, check_request, tokenize
+from .intake import Limits, check_model_len, check_request, tokenize
 from .memory import KVMemory
 from .outputs import group_output
 from .plan import PreemptionCosts
@@ -56,6 +56,7 @@ class Engine:
             raise ValueError(f"attention_backend {self.config.attention_backend!r} cannot run on {device}: {reason}")
         if self.config.kv_cache_dtype == "fp8_e4m3":
             self.spec.kv.dtype = torch.float8_e4m3fn
+        check_model_len(self.config, self.spec.max_model_len)
         self.max_model_len = self.config.max_model_len or self.spec.max_model_len
         self.memory = KVMemory(self.spec.kv, self.config)
         kv = KVCacheManager(self.memory.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
@@ -67,9 +68,10 @@ class Engine:
         check_paged_matches_model(model, self.spec, self.runner.backends)  # refuse a model we would serve wrong
         self.sampler = Sampler(device, self.config.seed)
         self.limits = Limits(self.spec.vocab_size, self.max_model_len, self.memory.num_blocks, self.config)
-        self.eos_token_ids = tuple(sorted(set(
-            _as_id_list(getattr(model.generation_config, "eos_token_id", None))
-            + _as_id_list(getattr(tokenizer, "eos_token_id", None)))))
+        eos = _as_id_list(getattr(model.generation_config, "eos_token_id", None)) + _as_id_list(
+            getattr(tokenizer, "eos_token_id", None))
+        # an EOS id the model can never produce can never stop a request (nor be banned under min_tokens)
+        self.eos_token_ids = tuple(sorted({t for t in eos if 0 <= t < self.spec.vocab_size}))
         self.groups: dict[str, RequestGroup] = {}  # unfinished (or not yet collected) prompts by request id
         self._ids = itertools.count()
         self._arrivals = itertools.count()
@@ -80,7 +82,7 @@ class Engine:
         return tokenize(self.tokenizer, prompt, index)
 
     def check_request(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
-        check_request(self.limits, index, token_ids, params)
+        check_request(self.limits, index, token_ids, params, has_tokenizer=self.tokenizer is not None)
 
     def _new_id(self) -> str:
         """The next automatic id that no queued request uses (a caller's own ids may look like ours)."""

@@ -4,10 +4,38 @@ from __future__ import annotations
 
 import torch
 
-from ..config import EngineConfig, default_kv_cache_bytes, default_swap_bytes, logger
+from ..config import EngineConfig, available_host_memory, default_kv_cache_bytes, default_swap_bytes, logger
 from ..kv import NULL_BLOCK, KVCache, KVCacheSpec, choose_num_blocks
 from ..kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
 from .plan import StepPlan
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def check_memory_budget(spec: KVCacheSpec, config: EngineConfig, num_blocks: int) -> None:
+    """Refuse, before allocating, a KV pool (num_blocks + the null block) or an explicit host swap space larger than
+    the memory available now: the device's free memory on CUDA, else available RAM (MemAvailable; on CPU the pool and
+    the swap space share it). Otherwise the failure comes late, when the pages are first touched."""
+    per_block = spec.bytes_per_block(config.block_size)
+    pool = (num_blocks + 1) * per_block
+    asked = (f"num_blocks={config.num_blocks}" if config.num_blocks is not None
+             else f"kv_cache_memory={config.kv_cache_memory}" if config.kv_cache_memory else "default size")
+    pool_text = f"the KV cache ({asked}: {num_blocks + 1} blocks x {per_block} bytes = {_gib(pool)})"
+    if spec.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(spec.device)
+        if pool > free:
+            raise ValueError(f"{pool_text} exceeds the free memory of {spec.device} ({_gib(free)}); lower num_blocks "
+                             f"or kv_cache_memory")
+        pool = 0  # only the swap space lives in host memory
+    swap = 0 if config.preemption_mode == "recompute" else (config.swap_space or 0)
+    host = available_host_memory()
+    if pool + swap > host:
+        parts = ([pool_text] if pool else []) + ([f"swap_space ({_gib(swap)})"] if swap else [])
+        knobs = (["num_blocks", "kv_cache_memory"] if pool else []) + (["swap_space"] if swap else [])
+        raise ValueError(f"{' plus '.join(parts)} exceeds the available host memory ({_gib(host)}); lower "
+                         f"{' or '.join(knobs)}")
 
 
 class KVMemory:
@@ -23,6 +51,7 @@ class KVMemory:
         self.num_blocks = choose_num_blocks(spec, config.block_size, config.num_blocks, budget)
         if config.num_blocks is None and self.num_blocks > 1:
             self.num_blocks -= 1  # the null block comes out of the byte budget too
+        check_memory_budget(spec, config, self.num_blocks)
         self.cache = KVCache(spec, self.num_blocks + 1, config.block_size)  # + the null block
         self.cache.storage[:, :, NULL_BLOCK].zero_()
         self.swap = self._make_swap_pool(spec, config)

@@ -165,7 +165,8 @@ class Scheduler:
         computed = blocks_needed(request.num_computed_tokens, self.kv.block_size)
         if self._should_swap(request, computed):
             host = self.swap.allocate(computed)
-            plan.swap_out.append((request.block_table[:computed], host))
+            # swap-outs run before the copy-on-write copies: a block just copied-on-write is saved from its source
+            plan.swap_out.append((self.kv.current_contents(request.block_table[:computed]), host))
             request.swapped_blocks = host
             request.status = RequestStatus.SWAPPED
             self.counters["num_swap_outs"] += 1

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Mapping
 
 import torch
 
-from ..config import logger
+from ..config import EngineConfig, InputTypeError, logger
 from ..engine import Engine
+from ..engine.intake import check_model_len
 from .generate_run import GenerateRun
 from ..model import describe_model
 
@@ -46,6 +48,25 @@ def _set_option(arguments: dict, extra: dict, name: str, value) -> None:
             extra[name] = value
     else:
         extra[name] = value
+
+
+def _cache_config(model, arguments: dict, extra: dict, model_max_len: int | None) -> dict | None:
+    """The engine options of this call (`cache_config=` or the generation config's), checked up front: anything but a
+    dict is an InputTypeError, unknown keys or bad values a ValueError, as for `LLM(...)`."""
+    options = extra.get("cache_config")
+    if options is None:
+        for config in (arguments.get("generation_config"), model.generation_config):
+            options = getattr(config, "cache_config", None)
+            if options is not None:
+                break
+    if options is None:
+        return None
+    if not isinstance(options, Mapping):
+        raise InputTypeError(f"cache_config must be a dict of hf_paged engine options (the keys of "
+                             f"hf_paged.EngineConfig), got {type(options).__name__}")
+    options = dict(options)
+    check_model_len(EngineConfig.from_dict(options), model_max_len)
+    return options
 
 
 def _left_padded(mask: torch.Tensor) -> bool:
@@ -93,7 +114,8 @@ def paged_generate(original, model, args: tuple, kwargs: dict):
     extra = dict(arguments.pop("kwargs", {}))
     if not _wants_paged(model, arguments, extra):
         return original(model, *args, **kwargs)
-    describe_model(model)  # unsupported architectures: a clear ValueError, before any work
+    spec = describe_model(model)  # unsupported architectures: a clear ValueError, before any work
+    options = _cache_config(model, arguments, extra, spec.max_model_len)  # bad options too, even if HF's loop runs
     _set_option(arguments, extra, "cache_implementation", None)
     reason = _fallback_reason(model, arguments, extra)
     if reason is not None:
@@ -112,8 +134,8 @@ def paged_generate(original, model, args: tuple, kwargs: dict):
         arguments["stopping_criteria"] = StoppingCriteriaList(
             [StopStringCriteria(call["tokenizer"], resolved.stop_strings), *user])
         _set_option(arguments, extra, "stop_strings", None)
-    options = extra.pop("cache_config", None) or getattr(resolved, "cache_config", None)
-    call["cache_config"] = options if isinstance(options, dict) else None
+    extra.pop("cache_config", None)
+    call["cache_config"] = options
     arguments.pop("self", None)
     arguments["custom_generate"] = _paged_decoding_loop
     return original(model, **arguments, **extra, hf_paged_call=call)

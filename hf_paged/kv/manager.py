@@ -128,7 +128,7 @@ class KVCacheManager:
     # ---- growth and release ------------------------------------------------------------------------
     def num_new_blocks(self, request: Sequence, num_new_tokens: int) -> int:
         total = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, total - len(request.block_table)) + (1 if self._shared_write_block(request) else 0)
+        return max(0, total - len(request.block_table)) + (1 if self._shared_write_block(request) is not None else 0)
 
     def _shared_write_block(self, request: Sequence) -> int | None:
         """Index in the table of the block the next token goes to, if other requests share it."""
@@ -150,6 +150,13 @@ class KVCacheManager:
         """Copy-on-write block copies to run before the next forward pass."""
         copies, self._copies = self._copies, []
         return copies
+
+    def current_contents(self, block_ids: list[int]) -> list[int]:
+        """Where the contents of `block_ids` are before this step's copy-on-write copies run: a pending copy's
+        destination holds nothing yet, its source (still intact until the forward pass) holds the data. A request
+        swapped out in the step that gave it a private copy must be saved from the source."""
+        sources = {destination: source for source, destination in self._copies}
+        return [sources.get(b, b) for b in block_ids]
 
     def allocate_slots(self, request: Sequence, num_new_tokens: int) -> bool:
         """Extend the table to hold `num_new_tokens` more tokens; a block the request shares and is about to write

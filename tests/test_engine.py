@@ -228,3 +228,16 @@ def test_a_healthy_retry_after_non_finite_kv_gets_right_tokens():
     retry = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert retry.finish_reason == "length" and retry.token_ids == hf_greedy(model, prompt, 12)
     llm.engine.check_idle()
+
+
+def test_an_eos_id_outside_the_vocabulary_is_ignored(llama):
+    """A generation config whose EOS id the model cannot produce: it can neither stop a request nor be banned
+    under min_tokens (banning it indexed past the logits)."""
+    saved = llama.generation_config.eos_token_id
+    llama.generation_config.eos_token_id = [2, 10_000]
+    try:
+        out = LLM(llama).generate([[5, 6, 7]], SamplingParams(max_tokens=6, min_tokens=3, temperature=0.0),
+                                  use_tqdm=False)[0]
+    finally:
+        llama.generation_config.eos_token_id = saved
+    assert out.finish_reason in ("length", "stop") and len(out.token_ids) >= 3

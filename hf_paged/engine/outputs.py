@@ -7,15 +7,20 @@ from ..request import CompletionOutput, Request, RequestGroup, RequestOutput
 
 
 def completion(request: Request, detokenize: Callable[[list[int]], str] | None) -> CompletionOutput:
-    """One sample's result. Text (finished samples only) ends before a stop string that ended it."""
-    text = None
+    """One sample's result. Text (finished samples only) ends before a stop string that ended it. A tokenizer that
+    fails to decode it makes this output an error (finish_reason "error", the tokens kept, no text)."""
+    text, reason, error = None, request.finish_reason, request.error
     if request.is_finished and detokenize is not None:
-        text = detokenize(request.output_token_ids)
+        try:
+            text = detokenize(request.output_token_ids)
+        except Exception as e:  # noqa: BLE001 - the tokenizer failing ends only this output (its tokens are kept)
+            if reason != "error":
+                reason, error = "error", f"decoding the output failed: {type(e).__name__}: {e}"
         stop = request.stop_reason
-        if isinstance(stop, str) and stop in text:
+        if text is not None and isinstance(stop, str) and stop in text:
             text = text[: text.index(stop)]
-    return CompletionOutput(request.sample_index, list(request.output_token_ids), text, request.finish_reason,
-                            request.logprobs, request.error)
+    return CompletionOutput(request.sample_index, list(request.output_token_ids), text, reason,
+                            request.logprobs, error)
 
 
 def group_output(group: RequestGroup, samples: list[Request] | None,

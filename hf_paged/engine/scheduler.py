@@ -110,8 +110,12 @@ class Scheduler:
             else:
                 if result.logprobs is not None and request.logprobs is not None:
                     request.logprobs.append(result.logprobs)
-                apply_stop_rules(request, result.token, result.stop_now, self.max_model_len, self.detokenize)
                 self.counters["num_generated_tokens"] += 1
+                try:
+                    apply_stop_rules(request, result.token, result.stop_now, self.max_model_len, self.detokenize)
+                except Exception as e:  # noqa: BLE001 - the tokenizer failing on stop strings ends only this request
+                    request.finish("error", f"checking stop strings failed: {type(e).__name__}: {e}")
+                    self.counters["num_errors"] += 1
             changed.append(request)
             if request.is_finished:
                 self.counters["num_finished"] += 1

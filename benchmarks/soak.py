@@ -1,0 +1,364 @@
+"""Soak test: many random requests on tiny KV pools, checking the engine's contract after every round.
+
+    python benchmarks/soak.py --minutes 10          # rounds until the time is up
+    python benchmarks/soak.py --requests 10000      # rounds until that many requests were made
+    python benchmarks/soak.py --requests 500 --seed 3 --json
+
+Each round draws 20-80 random requests (prompts of 1-300 tokens, a third starting with one of a few shared system
+prompts, some repeated verbatim; greedy or seeded sampling; n up to 4; priorities; cache salts; stop token ids;
+min_tokens) and runs them on a fresh engine whose pool holds one to one and a half of the round's biggest
+requests, with a small token budget (max_num_batched_tokens 32-128, sometimes long_prefill_token_threshold), so
+requests are chunked and preempted all the time. Rounds rotate preemption_mode recompute / swap / auto (the swap space sometimes too small,
+so swap falls back to recompute), block size, pool size, max_num_seqs and prefix caching. Most rounds stream
+requests in through `add_request` / `step`, aborting some mid-flight (waiting, running, preempted or swapped); the
+others go through `LLM.generate(..., priority=[...])`.
+
+Checked every round (any failure is a violation; the script exits 1 if there was one):
+- every request added ends exactly once per sample (none lost, none finished twice, none after its abort), and
+  nothing is left in the engine (`check_idle`: every block and swap slot free, no group left behind);
+- each sample has the right number of tokens ("length": max_tokens) or ends on its first stop token / EOS
+  (after min_tokens), and no sample ends with an error;
+- greedy and seeded outputs equal, per sample index, those of the same requests run on one unpressured engine (a
+  big pool, no chunking, no preemption); aborted requests are left out of the comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import hf_paged  # noqa: F401
+except ImportError:  # run from a checkout without an install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_paged import LLM, SamplingParams
+from hf_paged.kv import blocks_needed
+from hf_paged.model import describe_model
+from hf_paged.tiny import tiny_model
+
+MODES = ("recompute", "swap", "auto")
+SYSTEM_LENGTHS = (16, 40, 96, 160)  # shared system prompts (prefix-cache hits, same-step hits, salts)
+MAX_PROMPT, MAX_NEW, MAX_LEN = 300, 64, 512
+VOCAB, EOS = 256, 2
+COUNTS = ("rounds", "requests", "samples", "stream_rounds", "batch_rounds", "aborts", "aborts_running",
+          "aborts_preempted", "aborts_swapped", "compared", "steps",
+          "preemptions", "swap_outs", "swap_ins", "recomputed_tokens", "prefix_hit_tokens", "generated_tokens",
+          "mismatches", "errors", "lost", "duplicated", "bad_lengths", "leaks", "exceptions")
+
+
+@dataclass
+class Spec:
+    """One request as drawn: what is sent, and (stream rounds) when it is aborted: `abort_when` "queued" (`abort_after`
+    steps after it was added), "running" (after it received `abort_after` tokens) or "preempted" (as soon as one of
+    its samples is preempted or swapped out)."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    priority: int = 0
+    abort_when: str | None = None
+    abort_after: int = 0
+
+
+@dataclass
+class Soak:
+    seed: int = 0
+    counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    violations: list[str] = field(default_factory=list)
+
+    def violate(self, kind: str, message: str) -> None:
+        self.counts[kind] += 1
+        if len(self.violations) < 50:
+            self.violations.append(message)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---- drawing requests and engines ---------------------------------------------------------------------------
+def draw_prompt(rng: random.Random, systems: list[list[int]], earlier: list[list[int]]) -> list[int]:
+    roll = rng.random()
+    if earlier and roll < 0.1:
+        return list(rng.choice(earlier))  # the very same prompt again (a hit on a block computed this step)
+    length = rng.choice([rng.randint(1, 24), rng.randint(1, 80), rng.randint(1, MAX_PROMPT)])
+    if roll < 0.45:
+        system = rng.choice(systems)
+        tail = [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, max(0, MAX_PROMPT - len(system))) // 4)]
+        return (system + tail)[:MAX_PROMPT]
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def draw_params(rng: random.Random) -> SamplingParams:
+    max_tokens = rng.choice([1, rng.randint(1, 8), rng.randint(1, 24), rng.randint(1, MAX_NEW)])
+    kwargs = dict(max_tokens=max_tokens, n=rng.choice([1, 1, 1, 2, 3, 4]),
+                  ignore_eos=rng.random() < 0.5, cache_salt=rng.choice([None, None, None, "a", "b"]))
+    if rng.random() < 0.5:
+        kwargs["temperature"] = 0.0
+    else:  # seeded sampling: reproducible whatever else is in the batch
+        kwargs.update(temperature=rng.choice([0.6, 1.0, 1.5]), seed=rng.randrange(2**31),
+                      top_k=rng.choice([0, 0, 5, 50]), top_p=rng.choice([1.0, 1.0, 0.9]))
+        if rng.random() < 0.2:
+            kwargs.update(presence_penalty=0.5, repetition_penalty=1.2)
+    if rng.random() < 0.3:
+        kwargs["stop_token_ids"] = [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 8))]
+    if rng.random() < 0.15:
+        kwargs["min_tokens"] = rng.randint(0, max_tokens)
+    return SamplingParams(**kwargs)
+
+
+def draw_round(rng: random.Random, systems, number: int, size: int) -> list[Spec]:
+    specs, earlier = [], []
+    for i in range(size):
+        prompt = draw_prompt(rng, systems, earlier)
+        earlier.append(prompt)
+        params = draw_params(rng)
+        when = rng.choice(["queued", "running", "preempted", "preempted"]) if rng.random() < 0.1 else None
+        after = rng.choice([0, rng.randint(1, 10)]) if when == "queued" else rng.randint(1, params.max_tokens)
+        specs.append(Spec(f"r{number}-{i}", prompt, params, rng.choice([0, 0, 0, 1, 2]), when, after))
+    return specs
+
+
+def draw_engine(rng: random.Random, model, number: int, specs: list[Spec]) -> dict:
+    """A pressured engine: a pool for one to one and a half of the round's biggest requests, a small token budget."""
+    block_size = rng.choice([4, 8, 16])
+    biggest = max(blocks_needed(len(s.prompt) + s.params.max_tokens, block_size) for s in specs)
+    options = dict(block_size=block_size, num_blocks=biggest + rng.randint(0, biggest // 2),
+                   max_num_batched_tokens=rng.choice([32, 48, 64, 96, 128]),
+                   long_prefill_token_threshold=rng.choice([0, 0, 8, 16, 40]),
+                   max_num_seqs=rng.choice([3, 8, 32, 128, 128]), enable_prefix_caching=rng.random() < 0.85,
+                   preemption_mode=MODES[number % len(MODES)], attention_backend="torch")
+    if options["preemption_mode"] != "recompute":
+        per_block = describe_model(model).kv.bytes_per_block(block_size)
+        options["swap_space"] = per_block * rng.choice([1, biggest // 2 + 1, 4 * biggest])
+    return options
+
+
+# ---- running a round --------------------------------------------------------------------------------------------
+def finish_event(soak: Soak, ended: dict, spec: Spec, completion, aborted: set) -> None:
+    key = (spec.rid, completion.index)
+    if spec.rid in aborted:
+        soak.violate("duplicated", f"{key} finished after its abort")
+    elif key in ended:
+        soak.violate("duplicated", f"{key} finished twice")
+    ended[key] = completion
+
+
+def run_stream(soak: Soak, llm: LLM, specs: list[Spec], rng: random.Random) -> tuple[dict, set]:
+    """add_request / step / abort, with a few new requests before each step."""
+    by_id = {s.rid: s for s in specs}
+    pending, live, ended, aborted, added_at, received = list(specs), {}, {}, set(), {}, {}
+    step = 0
+    while pending or llm.has_unfinished_requests():
+        arrivals = rng.choice([0, 1, 1, 2, 4, 8]) if llm.has_unfinished_requests() else max(1, rng.randint(0, 6))
+        for spec in pending[:arrivals]:
+            llm.add_request(spec.prompt, spec.params, request_id=spec.rid, priority=spec.priority)
+            live[spec.rid], added_at[spec.rid] = spec, step
+        del pending[:arrivals]
+        for rid, spec in list(live.items()):
+            group = llm.engine.groups.get(rid)
+            states = {r.status.value for r in group.samples} if group is not None else set()
+            if (spec.abort_when == "queued" and step - added_at[rid] >= spec.abort_after) or \
+                    (spec.abort_when == "running" and received.get(rid, 0) >= spec.abort_after) or \
+                    (spec.abort_when == "preempted" and states & {"preempted", "swapped"}):
+                if llm.abort(rid):
+                    aborted.add(rid)
+                    soak.counts["aborts"] += 1
+                    for state in states & {"running", "preempted", "swapped"}:
+                        soak.counts[f"aborts_{state}"] += 1
+                else:
+                    soak.violate("lost", f"{rid} was live but abort() did not know it")
+                del live[rid]
+        if not llm.has_unfinished_requests():
+            continue
+        for out in llm.step():
+            spec = by_id[out.request_id]
+            received[spec.rid] = received.get(spec.rid, 0) + 1
+            for completion in out.outputs:
+                if completion.finish_reason is not None:
+                    finish_event(soak, ended, spec, completion, aborted)
+            if all((spec.rid, i) in ended for i in range(spec.params.n)):
+                live.pop(spec.rid, None)
+        step += 1
+    if llm.abort("never-added") or any(llm.abort(s.rid) for s in specs):
+        soak.violate("leaks", "abort() still knows a request after the round")
+    return ended, aborted
+
+
+def run_batch(soak: Soak, llm: LLM, specs: list[Spec]) -> tuple[dict, set]:
+    outs = llm.generate([s.prompt for s in specs], [s.params for s in specs], use_tqdm=False,
+                        priority=[s.priority for s in specs])
+    if len(outs) != len(specs):
+        soak.violate("lost", f"generate returned {len(outs)} outputs for {len(specs)} prompts")
+    ended = {}
+    for spec, out in zip(specs, outs):
+        if len(out.outputs) != spec.params.n:
+            soak.violate("lost", f"{spec.rid}: {len(out.outputs)} samples for n={spec.params.n}")
+        for completion in out.outputs:
+            finish_event(soak, ended, spec, completion, set())
+    return ended, set()
+
+
+def check_tokens(soak: Soak, spec: Spec, completion) -> None:
+    """The right number of tokens, or the first stop."""
+    p, tokens, reason = spec.params, completion.token_ids, completion.finish_reason
+    if reason == "error":
+        soak.violate("errors", f"{spec.rid}/{completion.index} ended with an error: {completion.error}")
+        return
+    stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS})
+    early = [i for i, t in enumerate(tokens[:-1]) if t in stops and i + 1 >= p.min_tokens]
+    if reason == "length":
+        ok = len(tokens) == p.max_tokens or len(spec.prompt) + len(tokens) == MAX_LEN
+    else:
+        ok = reason == "stop" and tokens and tokens[-1] in stops and p.min_tokens <= len(tokens) <= p.max_tokens
+    if not ok or early:
+        soak.violate("bad_lengths", f"{spec.rid}/{completion.index}: {reason!r} after {len(tokens)} tokens "
+                                    f"(max_tokens {p.max_tokens}, min_tokens {p.min_tokens}, early stops {early})")
+
+
+def run_round(soak: Soak, model, reference: LLM, number: int, systems, size: int) -> None:
+    # each round draws from its own generator: "auto" rounds decide swap vs recompute from measured timings, so
+    # how many steps (and arrival draws) a round takes may vary, and must not change the rounds after it
+    rng = random.Random(f"{soak.seed}/{number}")
+    specs = draw_round(rng, systems, number, size)
+    options = draw_engine(rng, model, number, specs)
+    llm = LLM(model, **options)
+    stream = rng.random() < 0.75
+    soak.counts["stream_rounds" if stream else "batch_rounds"] += 1
+    if not stream:  # nothing to abort through generate()
+        specs = [s for s in specs if s.abort_when is None] or specs[:1]
+    ended, aborted = run_stream(soak, llm, specs, rng) if stream else run_batch(soak, llm, specs)
+    try:
+        llm.engine.check_idle()
+        if llm.engine.groups:
+            raise AssertionError(f"{len(llm.engine.groups)} request groups left behind")
+    except AssertionError as e:
+        soak.violate("leaks", f"round {number} ({options}): {e}")
+    stats = llm.stats()
+    for name, key in (("steps", "num_steps"), ("preemptions", "num_preemptions"), ("swap_outs", "num_swap_outs"),
+                      ("swap_ins", "num_swap_ins"), ("recomputed_tokens", "num_recomputed_tokens"),
+                      ("prefix_hit_tokens", "prefix_cache_hit_tokens"), ("generated_tokens", "num_generated_tokens")):
+        soak.counts[name] += stats[key]
+    soak.counts["requests"] += len(specs)
+    soak.counts["samples"] += sum(s.params.n for s in specs)
+    done = [s for s in specs if s.rid not in aborted]
+    for spec in done:
+        for i in range(spec.params.n):
+            if (spec.rid, i) not in ended:
+                soak.violate("lost", f"{spec.rid}/{i} never finished (round {number}, {options})")
+            else:
+                check_tokens(soak, spec, ended[(spec.rid, i)])
+    compare(soak, reference, done, ended, options)
+    soak.counts["rounds"] += 1
+
+
+def compare(soak: Soak, reference: LLM, specs: list[Spec], ended: dict, options: dict) -> None:
+    """Outputs must equal the same requests' outputs on an unpressured engine, per sample index."""
+    if not specs:
+        return
+    before = reference.stats()["num_preemptions"]
+    outs = reference.generate([s.prompt for s in specs], [s.params for s in specs], use_tqdm=False)
+    if reference.stats()["num_preemptions"] != before:
+        raise RuntimeError("the reference engine preempted: make its pool bigger")
+    for spec, out in zip(specs, outs):
+        for want in out.outputs:
+            got = ended.get((spec.rid, want.index))
+            if got is None:
+                continue  # counted as lost
+            soak.counts["compared"] += 1
+            if (got.token_ids, got.finish_reason) != (want.token_ids, want.finish_reason):
+                at = next((i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b),
+                          min(len(got.token_ids), len(want.token_ids)))
+                soak.violate("mismatches", f"{spec.rid}/{want.index} differs from the unpressured run at output "
+                                           f"token {at} ({got.finish_reason}/{want.finish_reason}; prompt "
+                                           f"{len(spec.prompt)} tokens, {spec.params}; engine {options})")
+
+
+def reference_engine(model) -> LLM:
+    """Big pool, every request admitted at once, no chunking: nothing is ever preempted."""
+    return LLM(model, block_size=16, num_blocks=12000, max_num_seqs=512, max_num_batched_tokens=1 << 17,
+               enable_chunked_prefill=False, preemption_mode="recompute", attention_backend="torch")
+
+
+def run_soak(requests: int | None = None, minutes: float | None = None, seed: int = 0, model=None,
+             log=None) -> dict:
+    """Rounds until `requests` requests were made or `minutes` passed (whichever first). Returns the report."""
+    if requests is None and minutes is None:
+        requests = 1000
+    rng = random.Random(seed)
+    model = model if model is not None else tiny_model("llama", max_len=MAX_LEN)
+    reference = reference_engine(model)
+    systems = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in SYSTEM_LENGTHS]
+    soak = Soak(seed)
+    start = time.perf_counter()
+    deadline = start + minutes * 60 if minutes is not None else float("inf")
+    rss_after_first = None
+    while time.perf_counter() < deadline and (requests is None or soak.counts["requests"] < requests):
+        size = random.Random(f"{seed}/{soak.counts['rounds']}/size").randint(20, 80)
+        if requests is not None:
+            size = min(size, requests - soak.counts["requests"])
+        try:
+            run_round(soak, model, reference, soak.counts["rounds"], systems, size)
+        except Exception as e:  # noqa: BLE001 - an engine exception is a violation; the next round starts afresh
+            soak.violate("exceptions", f"round {soak.counts['rounds']}: {type(e).__name__}: {e}")
+            soak.counts["rounds"] += 1
+            soak.counts["requests"] += size
+        rss_after_first = rss_after_first or rss_mb()
+        if log and soak.counts["rounds"] % 10 == 0:
+            log(f"round {soak.counts['rounds']}: {soak.counts['requests']} requests, "
+                f"{soak.counts['preemptions']} preemptions, {len(soak.violations)} violations, "
+                f"{time.perf_counter() - start:.0f} s, rss {rss_mb():.0f} MB")
+    try:
+        reference.engine.check_idle()
+    except AssertionError as e:
+        soak.violate("leaks", f"reference engine: {e}")
+    return {"seed": seed, **soak.counts, "violations": soak.violations,
+            "seconds": round(time.perf_counter() - start, 1), "peak_rss_mb": round(peak_rss_mb(), 1),
+            "rss_after_first_round_mb": round(rss_after_first or 0.0, 1), "rss_end_mb": round(rss_mb(), 1)}
+
+
+VIOLATION_COUNTS = ("mismatches", "errors", "lost", "duplicated", "bad_lengths", "leaks", "exceptions")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=None, help="run rounds for this long")
+    parser.add_argument("--requests", type=int, default=None, help="run rounds until this many requests")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: the tiny model's matmuls take microseconds; more threads only "
+                             "spin against each other on a busy machine, 10x slower on 2 shared cores)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    report = run_soak(args.requests, args.minutes, args.seed, log=None if args.json else print)
+    failed = sum(report[k] for k in VIOLATION_COUNTS) > 0
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{report['requests']} requests ({report['samples']} samples) in {report['rounds']} rounds, "
+              f"{report['seconds']} s, seed {report['seed']}")
+        print("  " + ", ".join(f"{k} {report[k]}" for k in COUNTS if k not in ("requests", "samples", "rounds")))
+        print(f"  peak RSS {report['peak_rss_mb']} MB (after the first round {report['rss_after_first_round_mb']} "
+              f"MB, at the end {report['rss_end_mb']} MB)")
+        for line in report["violations"]:
+            print("  VIOLATION " + line)
+        print("FAILED" if failed else "OK: no violations")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

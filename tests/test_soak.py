@@ -1,0 +1,132 @@
+"""The soak test (benchmarks/soak.py) in CI size: the same code path, a few rounds, zero violations; the reproducers of
+the bugs it found; and proof that its checks catch a broken engine."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_paged import LLM, SamplingParams
+from hf_paged.engine.scheduler import Scheduler
+
+from conftest import cached_model
+
+SOAK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+
+
+def load_soak():
+    spec = importlib.util.spec_from_file_location("hf_paged_benchmarks_soak", SOAK_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = load_soak()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's matmuls are microseconds: one thread avoids spinning against a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return cached_model("llama", max_len=soak.MAX_LEN)
+
+
+def test_soak_has_no_violations(model):
+    """Up to 800 random requests over recompute / swap / auto rounds (new rounds start for at most 24 s)."""
+    report = soak.run_soak(requests=800, minutes=0.4, seed=11, model=model)
+    assert report["violations"] == []
+    assert all(report[k] == 0 for k in soak.VIOLATION_COUNTS), report
+    # it really exercised what it is for
+    assert report["rounds"] >= 3 and report["compared"] > 100, report
+    assert report["preemptions"] > 0 and report["swap_outs"] > 0 and report["recomputed_tokens"] > 0, report
+    assert report["aborts"] > 0 and report["prefix_hit_tokens"] > 0, report
+
+
+# ---- reproducers of the bugs the soak found ------------------------------------------------------------------------
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def unpressured(model, prompts, params):
+    return [[c.token_ids for c in o.outputs] for o in LLM(model).generate(prompts, params, use_tqdm=False)]
+
+
+def test_samples_sharing_a_first_block_on_a_one_block_pool(model):
+    """Copy-on-write of a shared block at table index 0 was not counted (`1 if index else 0`), so the scheduler
+    thought it fitted and the pool raised `RuntimeError: asked for 1 KV blocks, only 0 free`."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)
+    llm = LLM(model, block_size=16, num_blocks=1)
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == unpressured(model, [[5, 6, 7]], params)[0]
+    assert llm.stats()["num_preemptions"] == 1
+    llm.engine.check_idle()
+
+
+def test_swap_out_in_the_step_that_copied_on_write(model):
+    """Sample 0 of a prompt copies its shared partial block on its first write; in the same step a more important
+    request needs blocks, sample 1 and then sample 0 are swapped out. Swap-outs run before copy-on-write copies, so
+    sample 0's host copy was taken from the still-empty copy: its tokens went wrong after the swap-in."""
+    long, short = list(range(10, 26)), [40, 41, 42, 43, 44, 45]
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, n=2)]
+    llm = LLM(model, block_size=4, num_blocks=5, long_prefill_token_threshold=8, preemption_mode="swap",
+              swap_space=1 << 20, attention_backend="torch")
+    outs = llm.generate([long, short], params, use_tqdm=False, priority=[0, 1])
+    assert llm.stats()["num_swap_outs"] >= 2
+    assert [[c.token_ids for c in o.outputs] for o in outs] == unpressured(model, [long, short], params)
+    llm.engine.check_idle()
+
+
+# ---- the soak's checks catch a broken engine -------------------------------------------------------------------
+def corrupt_preempted_tokens(monkeypatch):
+    """A preempted request's next tokens change (as if its K/V were restored wrongly)."""
+    import hf_paged.engine.scheduler as scheduler
+
+    original = scheduler.apply_stop_rules
+
+    def broken(request, token, *args):
+        return original(request, (token + 1) % 256 if request.num_preemptions else token, *args)
+
+    monkeypatch.setattr(scheduler, "apply_stop_rules", broken)
+
+
+def leak_aborted(monkeypatch):
+    """An aborted request leaves the queues but keeps its blocks and swap slots."""
+    original = Scheduler._release
+
+    def broken(self, request):
+        if request.finish_reason != "abort":
+            return original(self, request)
+        for queue in (self.running, self.waiting):
+            if request in queue:
+                queue.remove(request)
+
+    monkeypatch.setattr(Scheduler, "_release", broken)
+
+
+def drop_finished(monkeypatch):
+    """A sample that finishes in a step where another one also finishes is never reported."""
+    original = LLM.step
+
+    def broken(self):
+        outs = original(self)
+        finished = [o for o in outs if o.outputs[0].finish_reason is not None]
+        return [o for o in outs if o not in finished[1:]]
+
+    monkeypatch.setattr(LLM, "step", broken)
+
+
+@pytest.mark.parametrize("breakage, kinds", [(corrupt_preempted_tokens, ["mismatches"]), (drop_finished, ["lost"]),
+                                             (leak_aborted, ["leaks", "exceptions"])])  # a full pool stalls
+def test_the_soak_catches(model, monkeypatch, breakage, kinds):
+    breakage(monkeypatch)
+    report = soak.run_soak(requests=150, seed=11, model=model)
+    assert sum(report[kind] for kind in kinds) > 0, report

@@ -61,6 +61,7 @@ def test_engine_decides_each_kind_of_call_once(monkeypatch, arch):
     monkeypatch.setattr(TorchBackend, "unavailable_reason", classmethod(lambda cls, device: availability_checks.append(
         device)))
     model = tiny_model(arch)
+    hf_paged.LLM(model, block_size=8, num_blocks=32)  # the once-per-model start-up check (its own calls) is done
     prompts = [[5, 9, 30, 7], [11, 3, 4, 5, 6, 7, 8, 9, 10]]
     counts = {}
     for max_tokens in (3, 12):

@@ -1,0 +1,533 @@
+"""A stateful (hypothesis) model of hf_paged.kv, driven the way the scheduler drives it.
+
+The machine keeps a small pool (6-12 blocks of 2-4 tokens) and a few sequences, and steps like the engine does:
+a *schedule* phase (running sequences grow with `allocate_slots`; running sequences are preempted by recompute or
+by swap; then, only if nothing was preempted, waiting sequences are admitted from their prefix hits and swapped
+sequences come back with `allocate_blocks`), then a *step* that applies the block moves in the engine's order
+(swap out, clear, copy-on-write copies, swap in) and writes the scheduled tokens, then *update* rules between steps
+(sample a token, fork, finish / abort, a non-finite error that discards the contents).
+
+Besides the bookkeeping (reference counts, free queue, prefix map, swap pool), the machine models what every
+block *holds*: each slot is GARBAGE (never written, as torch.empty), ZERO (cleared), NAN (written by a forward pass
+that went non-finite) or the K/V of one token, named by (cache salt, all tokens up to and including it). So it
+checks end to end that a sequence's computed tokens are really in its table's blocks, whatever prefix hits,
+copy-on-write, swaps and block reuse happened, and that no block a sequence holds ever holds garbage or NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, event, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+import torch
+
+from hf_paged.kv import NULL_BLOCK, KVCache, KVCacheManager, KVCacheSpec, blocks_needed
+from hf_paged.kv import manager as kv_manager
+from hf_paged.kv.hashing import hash_block
+from hf_paged.kv.swap import SwapPool
+
+GARBAGE, ZERO, NAN = "garbage", "zero", "nan"
+SALTS = (None, "a", "b")
+MAX_SEQS = 5
+
+
+@dataclass(eq=False)
+class Seq:
+    """A sequence with the fields of `hf_paged.kv.manager.Sequence` plus the machine's own bookkeeping."""
+
+    name: int
+    all_token_ids: list[int]
+    prompt_len: int
+    salt: str | None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    num_computed_tokens: int = 0
+    status: str = "waiting"  # waiting (new or preempted by recompute) | running | swapped
+    host: list[int] = field(default_factory=list)  # swap blocks while swapped
+    row: int | None = None  # the logits row it sampled from in the last step (forks share their parent's)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_len
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.salt
+
+    def kv_of(self, position: int):
+        """What the K/V slot of token `position` holds once computed for this sequence."""
+        return (self.salt, tuple(self.all_token_ids[:position + 1]))
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis prints draws with this
+        printer.text(repr(self))
+
+    def __repr__(self) -> str:
+        return (f"Seq{self.name}({self.status}, salt={self.salt!r}, tokens={self.all_token_ids}, "
+                f"computed={self.num_computed_tokens}, table={self.block_table}, host={self.host})")
+
+
+def chain_keys(tokens, salt, block_size: int, count: int) -> list[bytes]:
+    keys: list[bytes] = []
+    for i in range(count):
+        keys.append(kv_manager.hash_block(keys[-1] if keys else None, tokens[i * block_size:(i + 1) * block_size], salt))
+    return keys
+
+
+class KVMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.seqs: list[Seq] = []
+        self.names = 0
+        self.rows = 0
+        self._new_plan()
+
+    def _new_plan(self) -> None:
+        self.plan: list[list] = []  # [seq, num_new_tokens]
+        self.swap_out: list[tuple[list[int], list[int]]] = []  # (device ids, host ids)
+        self.swap_in: list[tuple[list[int], list[int], Seq]] = []  # (host ids, device ids, seq)
+        self.preempted = False
+        self.admitting = False  # the scheduler admits after its running loop: no preemption nor growth after that
+
+    exact_hash = True  # False in the variant whose block keys collide on purpose (see test_colliding_keys)
+
+    @initialize(num_blocks=st.integers(5, 10), block_size=st.integers(2, 4), swap_blocks=st.integers(1, 6))
+    def setup(self, num_blocks, block_size, swap_blocks):
+        self.bs = block_size
+        self.kv = KVCacheManager(num_blocks, block_size)
+        self.pool = self.kv.pool
+        spec = KVCacheSpec(1, 1, 2, torch.float32, torch.device("cpu"))
+        self.swap = SwapPool(KVCache(spec, num_blocks + 1, block_size), swap_blocks)
+        self.content = {b: [GARBAGE] * block_size for b in range(1, num_blocks + 1)}
+        self.content[NULL_BLOCK] = [ZERO] * block_size
+        self.host_content: dict[int, list] = {h: [GARBAGE] * block_size for h in range(swap_blocks)}
+        self.published: dict[int, tuple] = {}  # block id -> (salt, every token up to the block's end) it was cached for
+        self.written: dict[int, set[int]] = {}  # seq name -> blocks its last forward pass wrote
+
+    # ---- helpers ---------------------------------------------------------------------------------------------
+    def _with(self, status: str, pred=lambda s: True) -> list[Seq]:
+        return [s for s in self.seqs if s.status == status and pred(s)]
+
+    @property
+    def idle(self) -> bool:
+        """Between steps (where the scheduler's update, aborts and forks happen)."""
+        return not (self.plan or self.swap_out or self.swap_in or self.preempted or self.admitting)
+
+    def _planned(self, seq: Seq) -> bool:
+        return any(entry[0] is seq for entry in self.plan)
+
+    def _unplan(self, seq: Seq) -> None:
+        self.plan = [entry for entry in self.plan if entry[0] is not seq]
+
+    def _expected_block(self, seq: Seq, index: int) -> list:
+        return [seq.kv_of(index * self.bs + j) for j in range(self.bs)]
+
+    def _allocate(self, seq: Seq, n: int) -> bool:
+        """`allocate_slots`, checking that a refusal changes nothing and a success covers the new tokens."""
+        table, free, copies = list(seq.block_table), self.kv.num_free_blocks, len(self.kv._copies)
+        ok = self.kv.allocate_slots(seq, n)
+        if len(self.kv._copies) > copies:
+            event("copy-on-write")
+        if not ok:
+            assert seq.block_table == table and self.kv.num_free_blocks == free and len(self.kv._copies) == copies
+            return False
+        assert len(seq.block_table) * self.bs >= seq.num_computed_tokens + n
+        assert seq.block_table[:seq.num_computed_tokens // self.bs] == table[:seq.num_computed_tokens // self.bs]
+        return True
+
+    def _hits_are_right(self, seq: Seq, hits) -> None:
+        assert len(hits) * self.bs < seq.num_tokens, "a prefix hit may never cover the last token"
+        for i, block in enumerate(hits):
+            assert block.block_id != NULL_BLOCK
+            assert self.content[block.block_id] == self._expected_block(seq, i), \
+                f"prefix hit {i} (block {block.block_id}) does not hold {seq}'s K/V"
+
+    # ---- schedule: the running loop ---------------------------------------------------------------------------
+    def _growable(self) -> list[Seq]:
+        return self._with("running", lambda s: s.num_computed_tokens < s.num_tokens and not self._planned(s))
+
+    @precondition(lambda self: not self.admitting and self._growable())
+    @rule(data=st.data())
+    def grow(self, data):
+        """A running sequence gets slots for its next chunk (copy-on-write of a shared block included)."""
+        seq = data.draw(st.sampled_from(self._growable()), label="seq")
+        n = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens), label="n")
+        if self._allocate(seq, n):
+            self.plan.append([seq, n])
+
+    def _preemptable(self) -> list[Seq]:
+        return self._with("running", lambda s: s.num_computed_tokens < s.num_tokens)
+
+    def _swappable(self) -> list[Seq]:
+        return [s for s in self._preemptable() if 0 < blocks_needed(s.num_computed_tokens, self.bs) <= self.swap.num_free]
+
+    def _preempt_recompute(self, seq: Seq) -> None:
+        self._unplan(seq)
+        self.kv.free(seq)
+        assert seq.block_table == [] and seq.num_published_blocks == 0
+        seq.num_computed_tokens, seq.status = 0, "waiting"
+        self.preempted = True
+
+    def _preempt_swap(self, seq: Seq) -> None:
+        computed = blocks_needed(seq.num_computed_tokens, self.bs)
+        event("swap out")
+        if set(seq.block_table[:computed]) & {dst for _, dst in self.kv._copies}:
+            event("swap out of a block whose copy-on-write is pending")
+        host = self.swap.allocate(computed)
+        assert len(set(host)) == computed
+        # exactly what Scheduler._preempt records: a block given a private copy in this step is saved from its source
+        self.swap_out.append((self.kv.current_contents(seq.block_table[:computed]), host))
+        self._unplan(seq)
+        self.kv.free(seq)
+        seq.host, seq.status = host, "swapped"
+        self.preempted = True
+
+    @precondition(lambda self: not self.admitting and self._preemptable())
+    @rule(data=st.data())
+    def preempt_recompute(self, data):
+        self._preempt_recompute(data.draw(st.sampled_from(self._preemptable()), label="victim"))
+
+    @precondition(lambda self: not self.admitting and self._swappable())
+    @rule(data=st.data())
+    def preempt_swap(self, data):
+        self._preempt_swap(data.draw(st.sampled_from(self._swappable()), label="victim"))
+
+    @precondition(lambda self: not self.admitting and self._growable())
+    @rule(data=st.data())
+    def schedule_running(self, data):
+        """Scheduler.schedule's running loop: decodes first, then prefill chunks; when a sequence cannot get its
+        slots, a running sequence is preempted (by swap or recompute; maybe one already placed, maybe itself)."""
+        ready = self._growable()
+        for seq in sorted(ready, key=lambda s: s.num_tokens - s.num_computed_tokens != 1):
+            if seq.status != "running":
+                continue  # preempted earlier in this loop
+            n = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens), label=f"n for Seq{seq.name}")
+            while not self._allocate(seq, n):
+                victim = data.draw(st.sampled_from(self._preemptable()), label="victim")
+                if victim in self._swappable() and data.draw(st.booleans(), label="swap"):
+                    self._preempt_swap(victim)
+                else:
+                    self._preempt_recompute(victim)
+                if victim is seq:
+                    break
+            if seq.status == "running":
+                self.plan.append([seq, n])
+
+    # ---- schedule: admission (only when nothing was preempted in this schedule) -------------------------------
+    def _admit(self, seq: Seq, n_strategy, data) -> None:
+        hits = self.kv.computed_blocks(seq)
+        self._hits_are_right(seq, hits)
+        revived = sum(1 for b in hits if b.ref_count == 0)
+        fits = blocks_needed(seq.num_tokens, self.bs) - len(hits) <= self.kv.num_free_blocks - revived
+        assert self.kv.can_admit(seq, hits) == fits
+        self.admitting = True
+        if not fits:
+            return
+        event(f"admitted with {min(len(hits), 2)}+ prefix hits")
+        covered = self.kv.admit(seq, hits)
+        assert covered == len(hits) * self.bs and seq.block_table == [b.block_id for b in hits]
+        seq.num_computed_tokens = covered
+        n = data.draw(st.integers(1, seq.num_tokens - covered), label="n")
+        assert self._allocate(seq, n), "can_admit said the whole request fits"
+        self.kv.count_lookup(seq, covered)
+        seq.status = "running"
+        self.plan.append([seq, n])
+
+    @precondition(lambda self: not self.preempted and len(self.seqs) < MAX_SEQS)
+    @rule(data=st.data(), prompt=st.lists(st.integers(1, 2), min_size=1, max_size=9), salt=st.sampled_from(SALTS))
+    def admit_new(self, data, prompt, salt):
+        self.names += 1
+        seq = Seq(self.names, list(prompt), len(prompt), salt)
+        self.seqs.append(seq)
+        self._admit(seq, None, data)
+
+    @precondition(lambda self: not self.preempted and self._with("waiting"))
+    @rule(data=st.data())
+    def readmit(self, data):
+        self._admit(data.draw(st.sampled_from(self._with("waiting")), label="waiting"), None, data)
+
+    @precondition(lambda self: not self.preempted and self._with("swapped"))
+    @rule(data=st.data())
+    def swap_back_in(self, data):
+        seq = data.draw(st.sampled_from(self._with("swapped")), label="swapped")
+        self.admitting = True
+        if blocks_needed(seq.num_tokens, self.bs) > self.kv.num_free_blocks:  # Scheduler._swap_in's check
+            return
+        event("swap in")
+        device = self.kv.allocate_blocks(len(seq.host))
+        assert len(set(device)) == len(device) and NULL_BLOCK not in device
+        assert all(self.pool.blocks[b].ref_count == 1 for b in device)
+        seq.block_table = device
+        self.swap_in.append((seq.host, device, seq))
+        seq.host, seq.status = [], "running"
+        n = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens), label="n")
+        assert self._allocate(seq, n), "Scheduler._swap_in checked room for the whole request"
+        self.plan.append([seq, n])
+
+    # ---- the step: block moves in the engine's order, then the forward pass writes -----------------------------
+    @precondition(lambda self: not self.idle)
+    @rule()
+    def step(self):
+        for device_ids, host_ids in self.swap_out:
+            for d, h in zip(device_ids, host_ids):
+                self.host_content[h] = list(self.content[d])
+        cleared = self.kv.take_blocks_to_clear()
+        assert NULL_BLOCK not in cleared
+        for b in cleared:
+            self.content[b] = [ZERO] * self.bs
+        copies = self.kv.take_copies()
+        for src, dst in copies:
+            assert NULL_BLOCK not in (src, dst) and src != dst
+            self.content[dst] = list(self.content[src])
+        swap_in, self.swap_in = self.swap_in, []
+        for host_ids, device_ids, _ in swap_in:
+            for h, d in zip(host_ids, device_ids):
+                self.content[d] = list(self.host_content[h])
+            self.swap.free(host_ids)
+        # nothing a sequence holds may be uninitialised or NaN when the forward pass reads it (masked slots too)
+        for seq in self._with("running"):
+            for b in seq.block_table:
+                assert GARBAGE not in self.content[b] and NAN not in self.content[b], \
+                    f"{seq} holds block {b} = {self.content[b]} in a forward pass"
+        self.written = {}
+        for seq, n in self.plan:
+            start = seq.num_computed_tokens
+            assert len(seq.block_table) * self.bs >= start + n
+            for p in range(start, start + n):
+                b = seq.block_table[p // self.bs]
+                block = self.pool.blocks[b]
+                assert b != NULL_BLOCK
+                assert block.ref_count == 1, f"{seq} writes token {p} into block {b} shared by {block.ref_count}"
+                assert block.block_hash is None, f"{seq} writes into block {b}, which is in the prefix map"
+                self.content[b][p % self.bs] = seq.kv_of(p)
+                self.written.setdefault(seq.name, set()).add(b)
+            seq.num_computed_tokens += n
+            self._publish(seq)
+        for seq in self._with("running"):
+            seq.row = None
+        for seq, _ in self.plan:
+            if seq.num_computed_tokens == seq.num_tokens:
+                self.rows += 1
+                seq.row = self.rows  # it samples from its own logits row
+        self._new_plan()
+        self._check_common_prefixes()
+
+    def _publish(self, seq: Seq) -> None:
+        before = {b: self.pool.blocks[b].block_hash for b in seq.block_table}
+        published = seq.num_published_blocks
+        self.kv.cache_full_blocks(seq)
+        assert seq.num_published_blocks == max(published, seq.num_computed_tokens // self.bs)
+        for i in range(published, seq.num_published_blocks):
+            b = seq.block_table[i]
+            record = (seq.salt, tuple(seq.all_token_ids[:(i + 1) * self.bs]))
+            if before[b] is None and self.pool.blocks[b].block_hash is not None:
+                self.published[b] = record
+            elif self.pool.blocks[b].block_hash is not None:
+                assert self.published[b] == record, f"block {b} is cached for other tokens than {seq} holds there"
+
+    # ---- update: between steps -----------------------------------------------------------------------------------
+    def _done(self) -> list[Seq]:
+        return self._with("running", lambda s: s.num_computed_tokens == s.num_tokens)
+
+    @precondition(lambda self: self.idle and self._done())
+    @rule(data=st.data(), token=st.integers(1, 2))
+    def sample(self, data, token):
+        seq = data.draw(st.sampled_from(self._done()), label="seq")
+        seq.all_token_ids.append(token)
+        seq.row = None
+
+    @precondition(lambda self: self.idle and self._done())
+    @rule(data=st.data())
+    def sample_all(self, data):
+        """Every sequence whose tokens are all computed gets its next token (the usual end of an update)."""
+        for seq in self._done():
+            seq.all_token_ids.append(data.draw(st.integers(1, 2), label=f"token for Seq{seq.name}"))
+            seq.row = None
+
+    def _parents(self) -> list[Seq]:
+        return self._with("running", lambda s: s.num_computed_tokens == s.num_tokens and s.row is not None)
+
+    @precondition(lambda self: self.idle and len(self.seqs) < MAX_SEQS and self._parents())
+    @rule(data=st.data())
+    def fork(self, data):
+        """More samples start from a just-computed sequence (Scheduler._start_fork, as for n > 1)."""
+        parent = data.draw(st.sampled_from(self._parents()), label="parent")
+        for _ in range(data.draw(st.integers(1, MAX_SEQS - len(self.seqs)), label="children")):
+            self.names += 1
+            child = Seq(self.names, list(parent.all_token_ids), parent.prompt_len, parent.salt)
+            refs = [self.pool.blocks[b].ref_count for b in parent.block_table]
+            self.kv.fork(parent, child)
+            assert child.block_table == parent.block_table and child.block_table is not parent.block_table
+            assert [self.pool.blocks[b].ref_count for b in parent.block_table] == [r + 1 for r in refs]
+            child.num_computed_tokens, child.status, child.row = parent.num_computed_tokens, "running", parent.row
+            self.seqs.append(child)
+        event("fork")
+
+    def _release(self, seq: Seq) -> None:
+        self.kv.free(seq)
+        assert seq.block_table == []
+        if seq.host:
+            self.swap.free(seq.host)
+            seq.host = []
+        self.seqs.remove(seq)
+
+    @precondition(lambda self: self.idle and self.seqs)
+    @rule(data=st.data())
+    def finish(self, data):
+        """A sequence finishes or is aborted, wherever it is."""
+        self._release(data.draw(st.sampled_from(self.seqs), label="seq"))
+
+    def _rows(self) -> list[int]:
+        return sorted({s.row for s in self._with("running") if s.row is not None})
+
+    @precondition(lambda self: self.idle and self._rows())
+    @rule(data=st.data())
+    def non_finite(self, data):
+        """A logits row went NaN: every sequence sampling from it ends, its K/V may be NaN and are discarded."""
+        row = data.draw(st.sampled_from(self._rows()), label="row")
+        for seq in self._with("running", lambda s: s.row == row):
+            for b in self.written.get(seq.name, ()):
+                if b in seq.block_table and self.pool.blocks[b].ref_count == 1:
+                    self.content[b] = [NAN] * self.bs  # what its last forward pass wrote may be NaN
+            self.kv.discard_contents(seq)
+            assert all(self.pool.blocks[b].block_hash is None for b in seq.block_table)
+            self._release(seq)
+
+    def _check_common_prefixes(self) -> None:
+        """`common_prefix_blocks` (the scheduler asks it every schedule) against the tokens, for every pair."""
+        for a in self.seqs:
+            for b in self.seqs:
+                if a is b:
+                    continue
+                expected = 0
+                if a.salt == b.salt:
+                    limit = min(a.prompt_len, b.prompt_len) // self.bs
+                    while expected < limit and a.all_token_ids[:(expected + 1) * self.bs] == \
+                            b.all_token_ids[:(expected + 1) * self.bs]:
+                        expected += 1
+                got = self.kv.common_prefix_blocks(a, b)
+                if self.exact_hash:
+                    assert got == expected, f"common_prefix_blocks({a}, {b}) = {got}, expected {expected}"
+                else:
+                    assert got >= expected  # a colliding hash can only claim more (it is only a scheduling hint)
+
+    # ---- invariants ----------------------------------------------------------------------------------------------
+    @invariant()
+    def bookkeeping(self):
+        pool, blocks = self.pool, self.pool.blocks
+        holders: dict[int, list[Seq]] = {}
+        for seq in self.seqs:
+            if seq.status != "running":
+                assert seq.block_table == [], f"{seq} holds device blocks"
+            assert NULL_BLOCK not in seq.block_table
+            for b in seq.block_table:
+                holders.setdefault(b, []).append(seq)
+        assert blocks[NULL_BLOCK].ref_count == 0
+        for block in blocks[1:]:
+            assert block.ref_count == len(holders.get(block.block_id, [])), \
+                f"block {block.block_id}: ref_count {block.ref_count}, held by {holders.get(block.block_id)}"
+        # walk the free queue both ways
+        free, node = [], pool.free_queue._head.next
+        while node is not pool.free_queue._tail:
+            assert node.next.prev is node
+            free.append(node.block_id)
+            node = node.next
+        assert len(free) == len(set(free)) == pool.num_free_blocks
+        assert NULL_BLOCK not in free
+        assert set(free) == {b.block_id for b in blocks[1:] if b.ref_count == 0}
+        assert pool.num_free_blocks + len(holders) == pool.num_blocks
+        # every holder of a block has the same salt: prefix hits never cross salts (forks keep the salt)
+        for b, seqs in holders.items():
+            assert len({s.salt for s in seqs}) == 1, f"block {b} shared across salts: {seqs}"
+
+    @invariant()
+    def prefix_map(self):
+        for key, block in self.pool.cached.items():
+            assert block.block_hash == key and block.block_id != NULL_BLOCK
+            salt, tokens = self.published[block.block_id]
+            assert len(tokens) % self.bs == 0
+            assert block.token_ids == tuple(tokens[-self.bs:])
+            assert key == chain_keys(list(tokens), salt, self.bs, len(tokens) // self.bs)[-1]
+            start = len(tokens) - self.bs
+            assert self.content[block.block_id] == [(salt, tokens[:start + j + 1]) for j in range(self.bs)], \
+                f"cached block {block.block_id} does not hold what it is cached for"
+            parent = block.parent
+            if parent is not None and parent.generation == block.parent_generation and parent.block_hash is not None:
+                assert self.published[parent.block_id] == (salt, tokens[:start])
+            if parent is None:
+                assert start == 0
+        for block in self.pool.blocks:
+            if block.block_hash is not None:
+                assert self.pool.cached.get(block.block_hash) is block
+
+    @invariant()
+    def sequences(self):
+        arriving = {id(seq) for _, _, seq in self.swap_in}
+        copying = {dst for _, dst in self.kv._copies}  # copy-on-write destinations filled by this step's moves
+        for seq in self.seqs:
+            keys = seq.block_hashes
+            assert len(keys) <= seq.num_tokens // self.bs
+            assert keys == chain_keys(seq.all_token_ids, seq.salt, self.bs, len(keys))
+            assert 0 <= seq.num_computed_tokens <= seq.num_tokens
+            if seq.status == "running":
+                assert len(seq.block_table) >= blocks_needed(seq.num_computed_tokens, self.bs)
+                assert seq.num_published_blocks <= seq.num_computed_tokens // self.bs
+                if id(seq) in arriving:
+                    continue  # its K/V come back from host memory in this step's block moves
+                for p in range(seq.num_computed_tokens):
+                    b = seq.block_table[p // self.bs]
+                    if b in copying:
+                        continue
+                    assert self.content[b][p % self.bs] == seq.kv_of(p), \
+                        f"{seq}: token {p} in block {b} holds {self.content[b][p % self.bs]}"
+            elif seq.status == "swapped":
+                assert len(seq.host) == blocks_needed(seq.num_computed_tokens, self.bs)
+            else:
+                assert seq.num_computed_tokens == 0 and not seq.host
+
+    @invariant()
+    def swap_pool(self):
+        held = [h for s in self.seqs for h in s.host] + [h for host, _, _ in self.swap_in for h in host]
+        free = self.swap.free_ids
+        assert len(set(held)) == len(held) and len(set(free)) == len(free)
+        assert not set(held) & set(free)
+        assert self.swap.num_free + len(held) == self.swap.num_blocks
+
+    def teardown(self):
+        if not hasattr(self, "kv"):  # hypothesis can stop before the initialize rule ran
+            return
+        for host_ids, _, _ in self.swap_in:
+            self.swap.free(host_ids)
+        for seq in list(self.seqs):
+            self._release(seq)
+        self.kv.take_blocks_to_clear()
+        self.kv.take_copies()
+        self.pool.check_all_free()
+        assert self.swap.num_free == self.swap.num_blocks
+        assert not self.pool.cached or all(b.ref_count == 0 for b in self.pool.cached.values())
+
+
+SETTINGS = settings(max_examples=300, stateful_step_count=100, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+KVMachine.TestCase.settings = SETTINGS
+TestKV = KVMachine.TestCase
+
+
+def colliding_hash(parent: bytes | None, token_ids, salt: str | None) -> bytes:
+    """Block keys that forget the prefix: any two blocks with the same tokens and salt collide, whatever came
+    before them. Only the pool's own checks (tokens, parent block, parent incarnation) keep hits right then."""
+    return hash_block(None, token_ids, salt)
+
+
+class CollidingKeysMachine(KVMachine):
+    exact_hash = False
+
+
+def test_colliding_keys_never_serve_wrong_kv(monkeypatch):
+    monkeypatch.setattr(kv_manager, "hash_block", colliding_hash)
+    run_state_machine_as_test(CollidingKeysMachine, settings=settings(SETTINGS, max_examples=150))

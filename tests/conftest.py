@@ -35,6 +35,15 @@ def cached_model(arch: str, **overrides):
     return tiny_model(arch, **overrides)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The tiny models' matmuls are microseconds: one thread avoids spinning against a busy machine (restored)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def llama():
     return cached_model("llama")

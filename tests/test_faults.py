@@ -39,12 +39,8 @@ def tokens(outputs):
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny model's matmuls are microseconds: one thread avoids spinning against a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_torch_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

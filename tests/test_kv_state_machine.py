@@ -22,14 +22,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import torch
 
-from hf_paged.kv import NULL_BLOCK, KVCache, KVCacheManager, KVCacheSpec, blocks_needed
+from hf_paged.kv import NULL_BLOCK, BlockPool, KVCache, KVCacheManager, KVCacheSpec, blocks_needed
 from hf_paged.kv import manager as kv_manager
 from hf_paged.kv.hashing import hash_block
 from hf_paged.kv.swap import SwapPool
 
 GARBAGE, ZERO, NAN = "garbage", "zero", "nan"
 SALTS = (None, "a", "b")
-MAX_SEQS = 5
+MAX_SEQS = 6
 
 
 @dataclass(eq=False)
@@ -46,7 +46,6 @@ class Seq:
     num_computed_tokens: int = 0
     status: str = "waiting"  # waiting (new or preempted by recompute) | running | swapped
     host: list[int] = field(default_factory=list)  # swap blocks while swapped
-    row: int | None = None  # the logits row it sampled from in the last step (forks share their parent's)
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +83,8 @@ class KVMachine(RuleBasedStateMachine):
         super().__init__()
         self.seqs: list[Seq] = []
         self.names = 0
-        self.rows = 0
+        self.completed: list[Seq] = []  # sequences whose tokens the last step completed: they sample in `update`
+        self.updating = False  # between `step` and `update` nothing else happens (Scheduler.update follows the pass)
         self._new_plan()
 
     def _new_plan(self) -> None:
@@ -93,10 +93,11 @@ class KVMachine(RuleBasedStateMachine):
         self.swap_in: list[tuple[list[int], list[int], Seq]] = []  # (host ids, device ids, seq)
         self.preempted = False
         self.admitting = False  # the scheduler admits after its running loop: no preemption nor growth after that
+        self.considered: set[int] = set()  # running sequences the running loop has looked at (placed or not)
 
     exact_hash = True  # False in the variant whose block keys collide on purpose (see test_colliding_keys)
 
-    @initialize(num_blocks=st.integers(5, 10), block_size=st.integers(2, 4), swap_blocks=st.integers(1, 6))
+    @initialize(num_blocks=st.integers(4, 10), block_size=st.integers(2, 4), swap_blocks=st.integers(1, 6))
     def setup(self, num_blocks, block_size, swap_blocks):
         self.bs = block_size
         self.kv = KVCacheManager(num_blocks, block_size)
@@ -115,8 +116,19 @@ class KVMachine(RuleBasedStateMachine):
 
     @property
     def idle(self) -> bool:
-        """Between steps (where the scheduler's update, aborts and forks happen)."""
-        return not (self.plan or self.swap_out or self.swap_in or self.preempted or self.admitting)
+        """Between steps, with nothing scheduled yet (where aborts happen)."""
+        return not (self.updating or self.plan or self.swap_out or self.swap_in or self.preempted or self.admitting)
+
+    @property
+    def may_grow(self) -> bool:
+        """In the scheduler's running loop (it comes before admission)."""
+        return not (self.updating or self.admitting)
+
+    @property
+    def may_admit(self) -> bool:
+        """Scheduler._admit runs after the running loop looked at every running sequence, and only when it
+        preempted none."""
+        return not (self.updating or self.preempted or self._growable())
 
     def _planned(self, seq: Seq) -> bool:
         return any(entry[0] is seq for entry in self.plan)
@@ -149,13 +161,14 @@ class KVMachine(RuleBasedStateMachine):
 
     # ---- schedule: the running loop ---------------------------------------------------------------------------
     def _growable(self) -> list[Seq]:
-        return self._with("running", lambda s: s.num_computed_tokens < s.num_tokens and not self._planned(s))
+        return self._with("running", lambda s: s.num_computed_tokens < s.num_tokens and s.name not in self.considered)
 
-    @precondition(lambda self: not self.admitting and self._growable())
+    @precondition(lambda self: self.may_grow and self._growable())
     @rule(data=st.data())
     def grow(self, data):
         """A running sequence gets slots for its next chunk (copy-on-write of a shared block included)."""
         seq = data.draw(st.sampled_from(self._growable()), label="seq")
+        self.considered.add(seq.name)
         n = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens), label="n")
         if self._allocate(seq, n):
             self.plan.append([seq, n])
@@ -187,17 +200,19 @@ class KVMachine(RuleBasedStateMachine):
         seq.host, seq.status = host, "swapped"
         self.preempted = True
 
-    @precondition(lambda self: not self.admitting and self._preemptable())
-    @rule(data=st.data())
-    def preempt_recompute(self, data):
-        self._preempt_recompute(data.draw(st.sampled_from(self._preemptable()), label="victim"))
+    def _preempt(self, victim: Seq, data) -> None:
+        if victim in self._swappable() and data.draw(st.booleans(), label=f"swap Seq{victim.name} out"):
+            self._preempt_swap(victim)
+        else:
+            self._preempt_recompute(victim)
 
-    @precondition(lambda self: not self.admitting and self._swappable())
+    @precondition(lambda self: self.may_grow and self._preemptable())
     @rule(data=st.data())
-    def preempt_swap(self, data):
-        self._preempt_swap(data.draw(st.sampled_from(self._swappable()), label="victim"))
+    def preempt(self, data):
+        """A running sequence loses its device blocks: copied to host swap space, or recomputed later."""
+        self._preempt(data.draw(st.sampled_from(self._preemptable()), label="victim"), data)
 
-    @precondition(lambda self: not self.admitting and self._growable())
+    @precondition(lambda self: self.may_grow and self._growable())
     @rule(data=st.data())
     def schedule_running(self, data):
         """Scheduler.schedule's running loop: decodes first, then prefill chunks; when a sequence cannot get its
@@ -206,13 +221,11 @@ class KVMachine(RuleBasedStateMachine):
         for seq in sorted(ready, key=lambda s: s.num_tokens - s.num_computed_tokens != 1):
             if seq.status != "running":
                 continue  # preempted earlier in this loop
+            self.considered.add(seq.name)
             n = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens), label=f"n for Seq{seq.name}")
             while not self._allocate(seq, n):
                 victim = data.draw(st.sampled_from(self._preemptable()), label="victim")
-                if victim in self._swappable() and data.draw(st.booleans(), label="swap"):
-                    self._preempt_swap(victim)
-                else:
-                    self._preempt_recompute(victim)
+                self._preempt(victim, data)
                 if victim is seq:
                     break
             if seq.status == "running":
@@ -238,7 +251,7 @@ class KVMachine(RuleBasedStateMachine):
         seq.status = "running"
         self.plan.append([seq, n])
 
-    @precondition(lambda self: not self.preempted and len(self.seqs) < MAX_SEQS)
+    @precondition(lambda self: self.may_admit and len(self.seqs) < MAX_SEQS)
     @rule(data=st.data(), prompt=st.lists(st.integers(1, 2), min_size=1, max_size=9), salt=st.sampled_from(SALTS))
     def admit_new(self, data, prompt, salt):
         self.names += 1
@@ -246,12 +259,12 @@ class KVMachine(RuleBasedStateMachine):
         self.seqs.append(seq)
         self._admit(seq, None, data)
 
-    @precondition(lambda self: not self.preempted and self._with("waiting"))
+    @precondition(lambda self: self.may_admit and self._with("waiting"))
     @rule(data=st.data())
     def readmit(self, data):
         self._admit(data.draw(st.sampled_from(self._with("waiting")), label="waiting"), None, data)
 
-    @precondition(lambda self: not self.preempted and self._with("swapped"))
+    @precondition(lambda self: self.may_admit and self._with("swapped"))
     @rule(data=st.data())
     def swap_back_in(self, data):
         seq = data.draw(st.sampled_from(self._with("swapped")), label="swapped")
@@ -270,7 +283,7 @@ class KVMachine(RuleBasedStateMachine):
         self.plan.append([seq, n])
 
     # ---- the step: block moves in the engine's order, then the forward pass writes -----------------------------
-    @precondition(lambda self: not self.idle)
+    @precondition(lambda self: not self.updating and not self.idle)
     @rule()
     def step(self):
         for device_ids, host_ids in self.swap_out:
@@ -308,12 +321,8 @@ class KVMachine(RuleBasedStateMachine):
                 self.written.setdefault(seq.name, set()).add(b)
             seq.num_computed_tokens += n
             self._publish(seq)
-        for seq in self._with("running"):
-            seq.row = None
-        for seq, _ in self.plan:
-            if seq.num_computed_tokens == seq.num_tokens:
-                self.rows += 1
-                seq.row = self.rows  # it samples from its own logits row
+        self.completed = [seq for seq, _ in self.plan if seq.num_computed_tokens == seq.num_tokens]
+        self.updating = bool(self.completed)
         self._new_plan()
         self._check_common_prefixes()
 
@@ -330,73 +339,63 @@ class KVMachine(RuleBasedStateMachine):
             elif self.pool.blocks[b].block_hash is not None:
                 assert self.published[b] == record, f"block {b} is cached for other tokens than {seq} holds there"
 
-    # ---- update: between steps -----------------------------------------------------------------------------------
-    def _done(self) -> list[Seq]:
-        return self._with("running", lambda s: s.num_computed_tokens == s.num_tokens)
-
-    @precondition(lambda self: self.idle and self._done())
-    @rule(data=st.data(), token=st.integers(1, 2))
-    def sample(self, data, token):
-        seq = data.draw(st.sampled_from(self._done()), label="seq")
-        seq.all_token_ids.append(token)
-        seq.row = None
-
-    @precondition(lambda self: self.idle and self._done())
-    @rule(data=st.data())
-    def sample_all(self, data):
-        """Every sequence whose tokens are all computed gets its next token (the usual end of an update)."""
-        for seq in self._done():
-            seq.all_token_ids.append(data.draw(st.integers(1, 2), label=f"token for Seq{seq.name}"))
-            seq.row = None
-
-    def _parents(self) -> list[Seq]:
-        return self._with("running", lambda s: s.num_computed_tokens == s.num_tokens and s.row is not None)
-
-    @precondition(lambda self: self.idle and len(self.seqs) < MAX_SEQS and self._parents())
-    @rule(data=st.data())
-    def fork(self, data):
-        """More samples start from a just-computed sequence (Scheduler._start_fork, as for n > 1)."""
-        parent = data.draw(st.sampled_from(self._parents()), label="parent")
-        for _ in range(data.draw(st.integers(1, MAX_SEQS - len(self.seqs)), label="children")):
-            self.names += 1
-            child = Seq(self.names, list(parent.all_token_ids), parent.prompt_len, parent.salt)
-            refs = [self.pool.blocks[b].ref_count for b in parent.block_table]
-            self.kv.fork(parent, child)
-            assert child.block_table == parent.block_table and child.block_table is not parent.block_table
-            assert [self.pool.blocks[b].ref_count for b in parent.block_table] == [r + 1 for r in refs]
-            child.num_computed_tokens, child.status, child.row = parent.num_computed_tokens, "running", parent.row
-            self.seqs.append(child)
-        event("fork")
+    # ---- update: right after the step, then between steps ---------------------------------------------------------
+    def _fork(self, parent: Seq) -> Seq:
+        """Another sample starts from `parent`'s just-computed tokens (Scheduler._start_fork)."""
+        self.names += 1
+        child = Seq(self.names, list(parent.all_token_ids), parent.prompt_len, parent.salt)
+        refs = [self.pool.blocks[b].ref_count for b in parent.block_table]
+        self.kv.fork(parent, child)
+        assert child.block_table == parent.block_table and child.block_table is not parent.block_table
+        assert [self.pool.blocks[b].ref_count for b in parent.block_table] == [r + 1 for r in refs]
+        assert child.num_published_blocks == parent.num_published_blocks
+        child.num_computed_tokens, child.status = parent.num_computed_tokens, "running"
+        self.seqs.append(child)
+        return child
 
     def _release(self, seq: Seq) -> None:
         self.kv.free(seq)
-        assert seq.block_table == []
+        assert seq.block_table == [] and seq.num_published_blocks == 0
         if seq.host:
             self.swap.free(seq.host)
             seq.host = []
         self.seqs.remove(seq)
 
+    @precondition(lambda self: self.updating)
+    @rule(data=st.data())
+    def update(self, data):
+        """Scheduler.update: each sequence the step completed samples from its logits row. More samples may fork
+        from it first (n > 1: they share that row); then a non-finite row ends all of them and discards their K/V,
+        or each gets its next token or finishes."""
+        self.updating = False
+        for parent in self.completed:
+            row = [parent]
+            room = MAX_SEQS - len(self.seqs)
+            if room and data.draw(st.booleans(), label=f"fork Seq{parent.name}"):
+                event("fork")
+                row += [self._fork(parent) for _ in range(data.draw(st.integers(1, room), label="children"))]
+            if data.draw(st.integers(0, 11), label="row outcome") == 0:
+                event("non-finite")
+                for b in self.written.get(parent.name, ()):
+                    self.content[b] = [NAN] * self.bs  # what the pass wrote may be NaN (only this row holds it)
+                for seq in row:
+                    self.kv.discard_contents(seq)
+                    assert all(self.pool.blocks[b].block_hash is None for b in seq.block_table)
+                    self._release(seq)
+                continue
+            for seq in row:
+                token = data.draw(st.integers(0, 11), label=f"token for Seq{seq.name}")
+                if token == 0:
+                    self._release(seq)  # it stopped
+                else:
+                    seq.all_token_ids.append(1 + token % 2)
+        self.completed = []
+
     @precondition(lambda self: self.idle and self.seqs)
     @rule(data=st.data())
-    def finish(self, data):
-        """A sequence finishes or is aborted, wherever it is."""
+    def abort(self, data):
+        """A sequence is aborted between steps, wherever it is (running, waiting or swapped)."""
         self._release(data.draw(st.sampled_from(self.seqs), label="seq"))
-
-    def _rows(self) -> list[int]:
-        return sorted({s.row for s in self._with("running") if s.row is not None})
-
-    @precondition(lambda self: self.idle and self._rows())
-    @rule(data=st.data())
-    def non_finite(self, data):
-        """A logits row went NaN: every sequence sampling from it ends, its K/V may be NaN and are discarded."""
-        row = data.draw(st.sampled_from(self._rows()), label="row")
-        for seq in self._with("running", lambda s: s.row == row):
-            for b in self.written.get(seq.name, ()):
-                if b in seq.block_table and self.pool.blocks[b].ref_count == 1:
-                    self.content[b] = [NAN] * self.bs  # what its last forward pass wrote may be NaN
-            self.kv.discard_contents(seq)
-            assert all(self.pool.blocks[b].block_hash is None for b in seq.block_table)
-            self._release(seq)
 
     def _check_common_prefixes(self) -> None:
         """`common_prefix_blocks` (the scheduler asks it every schedule) against the tokens, for every pair."""
@@ -512,7 +511,7 @@ class KVMachine(RuleBasedStateMachine):
         assert not self.pool.cached or all(b.ref_count == 0 for b in self.pool.cached.values())
 
 
-SETTINGS = settings(max_examples=300, stateful_step_count=100, deadline=None,
+SETTINGS = settings(max_examples=220, stateful_step_count=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 KVMachine.TestCase.settings = SETTINGS
 TestKV = KVMachine.TestCase
@@ -530,4 +529,21 @@ class CollidingKeysMachine(KVMachine):
 
 def test_colliding_keys_never_serve_wrong_kv(monkeypatch):
     monkeypatch.setattr(kv_manager, "hash_block", colliding_hash)
-    run_state_machine_as_test(CollidingKeysMachine, settings=settings(SETTINGS, max_examples=150))
+    run_state_machine_as_test(CollidingKeysMachine, settings=settings(SETTINGS, max_examples=100))
+
+
+def test_lookup_never_follows_a_later_incarnation_of_the_parent():
+    """The one pool check the machines rarely reach: a cached child whose parent block was uncached (discarded),
+    handed out again and cached anew for the same tokens is no hit after the new parent, even under a colliding key."""
+    pool = BlockPool(4)
+    parent, child = pool.allocate(2)
+    pool.cache(parent, b"p", [1, 2], None)
+    pool.cache(child, b"c", [3, 4], pool.blocks[parent])
+    assert pool.lookup(b"c", [3, 4], pool.blocks[parent]) is pool.blocks[child]
+    pool.uncache(parent)  # discard_contents of a request that held the parent only
+    pool.free([parent])
+    assert pool.allocate(1) == [parent]  # unhashed: handed out first, new contents
+    pool.cache(parent, b"p2", [1, 2], None)
+    assert pool.lookup(b"c", [3, 4], pool.blocks[parent]) is None
+    pool.free([parent, child])
+    pool.check_all_free()

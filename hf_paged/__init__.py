@@ -5,6 +5,7 @@
 """
 from .config import EngineConfig
 from .engine import Engine
+from .integrations.paged_cache import PagedCache
 from .integrations.patch import disable, enable, is_enabled
 from .llm import LLM
 from .request import CompletionOutput, RequestOutput
@@ -12,6 +13,6 @@ from .sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "enable", "disable", "is_enabled"]
+           "enable", "disable", "is_enabled", "PagedCache"]
 
 enable()

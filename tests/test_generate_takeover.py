@@ -93,8 +93,8 @@ def test_raising_processor_leaves_model_untouched(engine_runs):
     assert torch.equal(paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
 
 
-# ---- 4. fall-back: beam search -----------------------------------------------------------------------
-def test_beam_search_falls_back_with_warning(engine_runs, caplog):
+# ---- 4. HF's own loop on a PagedCache: beam search -----------------------------------------------------------------------
+def test_beam_search_runs_in_hf_loop_on_paged_cache(engine_runs, caplog):
     model = model_for()
     ids, mask = batch((3, 7))
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, num_beams=2, do_sample=False)
@@ -104,7 +104,8 @@ def test_beam_search_falls_back_with_warning(engine_runs, caplog):
                                  cache_implementation="paged")
     assert torch.equal(out, ref)
     warnings = [r for r in caplog.records if r.name == "hf_paged" and r.levelno == logging.WARNING]
-    assert any("beam" in r.getMessage() for r in warnings), [r.getMessage() for r in caplog.records]
+    assert any("beam" in r.getMessage() and "on a PagedCache" in r.getMessage() for r in warnings), \
+        [r.getMessage() for r in caplog.records]
 
 
 def test_custom_position_ids_fall_back(engine_runs, caplog):

@@ -44,6 +44,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # called with each request that finished normally, just before its blocks are freed (its K/V still there)
+        self.release_hooks: list[Callable[[Request], None]] = []
 
     @property
     def has_work(self) -> bool:
@@ -283,6 +285,9 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if request.finish_reason not in ("abort", "error"):
+            for hook in self.release_hooks:
+                hook(request)
         self.kv.free(request)
         if request.swapped_blocks:
             self.swap.free(request.swapped_blocks)

@@ -17,6 +17,7 @@ from ..config import EngineConfig, InputTypeError, logger
 from ..engine import Engine
 from ..engine.intake import check_model_len
 from .generate_run import GenerateRun
+from .paged_cache import PagedCache
 from ..model import describe_model
 
 PAGED = "paged"
@@ -69,41 +70,99 @@ def _cache_config(model, arguments: dict, extra: dict, model_max_len: int | None
     return options
 
 
-def _left_padded(mask: torch.Tensor) -> bool:
-    """Every row is zeros then ones, ending with a real token: the engine drops the zeros."""
-    mask = (mask != 0).int()
-    return bool(mask[:, -1].all() and (mask[:, 1:] >= mask[:, :-1]).all())
+def _engine_mask_reason(mask: torch.Tensor, windowed: bool) -> str | None:
+    """The engine drops padding wherever it is (left, or gaps), numbering the real tokens 0.. as HF's position ids
+    do; it needs every row to end with a real token (HF samples a right-padded row's next token after its pad),
+    and no gaps when a layer has a window (HF's window counts padding columns inside it)."""
+    if not bool((mask[:, -1] != 0).all()):
+        return "a row ends with padding (right padding)"
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        return "the attention mask is not 0/1"
+    if windowed and not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        return "padding between real tokens, with sliding-window layers"
+    return None
 
 
-def _fallback_reason(model, arguments: dict, extra: dict) -> str | None:
+def _has_windows(model) -> bool:
+    text = model.config.get_text_config(decoder=True)
+    kinds = set(getattr(text, "layer_types", None) or [])
+    return bool(getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+                or kinds & {"sliding_attention", "chunked_attention"})
+
+
+def _default_positions(position_ids, mask) -> bool:
+    """Caller position ids that are exactly the ones HF derives from the mask (so the engine's are the same)."""
+    if not isinstance(position_ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return False
+    expected = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    return position_ids.shape == expected.shape and bool((position_ids.to(expected.device) == expected).all())
+
+
+def _inferred_mask(inputs, config) -> torch.Tensor | None:
+    """The mask HF builds when none is passed: padding where the input holds the pad token (unless it is also EOS)."""
+    pad, eos = config.pad_token_id, config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() != 2 or pad is None or pad in eos:
+        return None
+    return inputs.ne(pad).long() if bool((inputs == pad).any()) else None
+
+
+def _hf_loop_reason(model, arguments: dict, extra: dict) -> str | None:
+    """Why this call must run in HF's own decoding loop (on a PagedCache); None when the engine can run it."""
     from transformers.generation.configuration_utils import GenerationMode
 
-    for name in ("assistant_model", "negative_prompt_ids", "custom_generate"):
+    for name in ("assistant_model", "negative_prompt_ids", "custom_generate", "prefix_allowed_tokens_fn"):
         if arguments.get(name) is not None:
-            return f"{name} is not supported by the paged engine"
+            return f"{name} needs HF's own loop"
     if arguments.get("synced_gpus"):
-        return "synced_gpus is not supported by the paged engine"
+        return "synced_gpus needs HF's own loop"
     probe = {k: v for k, v in extra.items() if k not in ("tokenizer", "assistant_tokenizer")}
     config, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **probe)
     mode = config.get_generation_mode(arguments.get("assistant_model"))
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        return f"generation mode {mode.value!r} is not supported by the paged engine"
+        return f"generation mode {mode.value!r} runs in HF's own loop"
     if config.output_attentions or config.output_hidden_states:
         return "output_attentions / output_hidden_states need HF's own loop"
     if config.token_healing:
-        return "token_healing is not supported by the paged engine"
-    mask = model_kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not _left_padded(mask):
-        return "the attention mask is not plain left padding (right padding or gaps)"
-    odd = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _ENGINE_MODEL_KWARGS)
-    if odd:
-        return f"model inputs {odd} are not supported by the paged engine"
+        return "token_healing needs HF's own loop"
     inputs = arguments.get("inputs")
     if inputs is None:
         inputs = extra.get("input_ids")
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = _inferred_mask(inputs, config)
+    if isinstance(mask, torch.Tensor):
+        if mask.dim() != 2:
+            return "a custom (not 2D) attention mask needs HF's own loop"
+        reason = _engine_mask_reason(mask, _has_windows(model))
+        if reason is not None:
+            return reason
+    if "position_ids" in model_kwargs and _default_positions(model_kwargs["position_ids"], mask):
+        model_kwargs.pop("position_ids")
+    odd = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _ENGINE_MODEL_KWARGS)
+    if odd:
+        return f"model inputs {odd} need HF's own loop"
     if not isinstance(inputs, torch.Tensor) or inputs.dim() not in (1, 2) or inputs.is_floating_point():
-        return "the paged engine needs input_ids as a 1D or 2D integer tensor"
+        return "the engine needs input_ids as a 1D or 2D integer tensor"
     return None
+
+
+def _run_hf_loop(original, model, arguments: dict, extra: dict, options: dict | None, reason: str):
+    """HF's own generate loop with paged memory: a new `PagedCache` (sized by `cache_config`'s block_size /
+    num_blocks / kv_cache_memory when given), or the cache the caller passed."""
+    arguments.pop("self", None)
+    extra.pop("cache_config", None)
+    given = extra.get("cache", extra.get("past_key_values"))
+    if given is not None:
+        logger.warning("hf_paged: %s; running transformers' own generate loop on the cache passed in (%s)",
+                       reason, type(given).__name__)
+    elif arguments.get("use_cache", extra.get("use_cache")) is False:
+        logger.warning("hf_paged: %s; use_cache=False: transformers' own generate loop without a cache", reason)
+    else:
+        sizes = {k: options[k] for k in ("block_size", "num_blocks", "kv_cache_memory") if options and k in options}
+        extra["cache"] = PagedCache(model.config, **sizes)
+        logger.warning("hf_paged: %s; running transformers' own generate loop on a PagedCache", reason)
+    return original(model, **arguments, **extra)
 
 
 def paged_generate(original, model, args: tuple, kwargs: dict):
@@ -117,11 +176,11 @@ def paged_generate(original, model, args: tuple, kwargs: dict):
     spec = describe_model(model)  # unsupported architectures: a clear ValueError, before any work
     options = _cache_config(model, arguments, extra, spec.max_model_len)  # bad options too, even if HF's loop runs
     _set_option(arguments, extra, "cache_implementation", None)
-    reason = _fallback_reason(model, arguments, extra)
+    if extra.get("cache", extra.get("past_key_values")) is not None:
+        return _run_hf_loop(original, model, arguments, extra, options, "a cache was passed in")
+    reason = _hf_loop_reason(model, arguments, extra)
     if reason is not None:
-        logger.warning("hf_paged: %s; running transformers' own generate loop instead", reason)
-        arguments.pop("self", None)
-        return original(model, **arguments, **extra)
+        return _run_hf_loop(original, model, arguments, extra, options, reason)
     call = {"streamer": arguments.get("streamer"), "tokenizer": extra.get("tokenizer")}
     probe = {k: v for k, v in extra.items() if k not in ("tokenizer", "assistant_tokenizer")}
     resolved, _ = model._prepare_generation_config(arguments.get("generation_config"), **probe)
@@ -138,6 +197,7 @@ def paged_generate(original, model, args: tuple, kwargs: dict):
     call["cache_config"] = options
     arguments.pop("self", None)
     arguments["custom_generate"] = _paged_decoding_loop
+    logger.debug("hf_paged: generate ran on the paged engine")
     return original(model, **arguments, **extra, hf_paged_call=call)
 
 

@@ -9,6 +9,7 @@ from ..engine import Engine
 from ..kv import blocks_needed
 from ..request import Request
 from ..sampling import SamplingParams
+from .returned_cache import KVSnapshots
 
 _NATIVE_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
 _SCORE_BLIND_CRITERIA = (*_NATIVE_CRITERIA, "StopStringCriteria", "MaxTimeCriteria")
@@ -29,6 +30,7 @@ class GenerateRun:
                  logits_processor, stopping_criteria, streamer):
         self.model = model
         self.input_ids = input_ids
+        self.mask = attention_mask
         self.rows = input_ids.tolist()
         mask = attention_mask.tolist() if attention_mask is not None else None
         # the real tokens of each row (left padding removed); positions restart at 0 like HF's
@@ -54,6 +56,8 @@ class GenerateRun:
         self.error: Exception | None = None
         self.requests: list[Request] = []
         self.streamed = 0
+        self.snapshots: KVSnapshots | None = None
+        self.block_size = 16
 
     @property
     def native(self) -> bool:
@@ -170,6 +174,10 @@ class GenerateRun:
             self.streamed += 1
 
     def run(self, engine: Engine) -> None:
+        if self.config.return_dict_in_generate and self.config.use_cache is not False:
+            self.snapshots = KVSnapshots(engine.memory.cache)  # the returned cache: rows' K/V kept as they finish
+            self.block_size = engine.config.block_size
+            engine.scheduler.release_hooks.append(self.snapshots.keep)
         params = self.sampling_params()
         controller = None if self.native else self
         for b, prompt in enumerate(self.prompts):
@@ -199,8 +207,13 @@ class GenerateRun:
             return sequences
         from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+        cache = None
+        if self.snapshots is not None:
+            cache = self.snapshots.build(self.model, self.mask, self.input_ids.shape[1],
+                                         [min(r.num_output_tokens, steps) for r in self.requests],
+                                         sequences.shape[1] - 1, next(self.model.parameters()).dtype, self.block_size)
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=self._stack(self.scores, steps),
-                                         logits=self._stack(self.raw_logits, steps))
+                                         logits=self._stack(self.raw_logits, steps), cache=cache)
 
     def _stack(self, per_row: list[list[torch.Tensor]], steps: int):
         """Per-step [B, V] tensors as HF returns them; steps after a row finished hold zeros."""

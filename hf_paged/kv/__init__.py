@@ -2,6 +2,7 @@
 from .block_pool import NULL_BLOCK, Block, BlockPool, FreeBlockQueue
 from .cache import KVCache, KVCacheSpec, choose_num_blocks
 from .manager import KVCacheManager, blocks_needed
+from .paged_store import PagedStore
 
 __all__ = ["NULL_BLOCK", "Block", "BlockPool", "FreeBlockQueue", "KVCache", "KVCacheSpec", "KVCacheManager",
-           "blocks_needed", "choose_num_blocks"]
+           "blocks_needed", "choose_num_blocks", "PagedStore"]

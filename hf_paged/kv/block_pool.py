@@ -88,6 +88,15 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return self.free_queue.num_free
 
+    def grow(self, extra: int) -> None:
+        """Add `extra` free blocks (ids num_blocks+1 .. num_blocks+extra); the caller grows the storage to match."""
+        first = self.num_blocks + 1
+        self.num_blocks += extra
+        for block_id in range(first, first + extra):
+            block = Block(block_id)
+            self.blocks.append(block)
+            self.free_queue.push_back(block)
+
     def allocate(self, count: int) -> list[int]:
         """Take `count` free blocks (ref_count becomes 1). Raises if fewer are free; callers check first."""
         if count > self.free_queue.num_free:

@@ -1,0 +1,184 @@
+"""`PagedCache`: HF's own generate loop and plain forward loops on paged memory give exactly what `DynamicCache`
+gives (fp32, token for token; scores to float tolerance), beams share blocks, crop frees blocks, and calls the
+engine cannot run go to HF's loop on a PagedCache (never to DynamicCache)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_paged import PagedCache
+from takeover_helpers import batch, model_for, on_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, top_k=8),
+    "beam": dict(num_beams=3, do_sample=False, num_return_sequences=2),
+    "beam_sample": dict(num_beams=2, do_sample=True, top_k=8),
+}
+
+
+def run(model, ids, mask, cache=None, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    extra = {} if cache is None else {"cache": cache}
+    return model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                          return_dict_in_generate=True, output_scores=True, output_logits=True, **extra, **kwargs)
+
+
+def assert_same(out, ref):
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2", "qwen3"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_generate_modes_equal_dynamic_cache(arch, mode):
+    model = model_for(arch)
+    ids, mask = batch((5, 11), seed=1)
+    cache = PagedCache(model.config, block_size=4)
+    out = run(model, ids, mask, cache, **MODES[mode])
+    assert_same(out, run(model, ids, mask, **MODES[mode]))
+    assert out.cache is cache and cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize("side", ["left", "right", "none"])
+def test_paddings_through_the_take_over(side, engine_runs, caplog):
+    """Left padding runs on the engine; right padding in HF's loop on a PagedCache; both equal HF."""
+    model = model_for()
+    ids, mask = batch((4, 9, 6) if side != "none" else (9, 9, 9), seed=3, side="left" if side == "none" else side)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="hf_paged"):
+        with on_engine(engine_runs, model, expected=0 if side == "right" else 1):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                 cache_implementation="paged")
+    assert torch.equal(out, ref)
+    if side == "right":
+        assert any("on a PagedCache" in r.getMessage() for r in caplog.records if r.name == "hf_paged")
+
+
+def test_gaps_in_the_mask_run_on_the_engine(engine_runs):
+    """Padding between real tokens: HF numbers positions over real tokens, and so does the engine."""
+    model = model_for()
+    ids, mask = batch((6, 12), seed=4)
+    mask[1, 3:6] = 0
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    with on_engine(engine_runs, model, expected=1):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="paged")
+    assert torch.equal(out, ref)
+
+
+def test_gaps_with_sliding_window_go_to_paged_cache(engine_runs, caplog):
+    """HF's window counts the padding columns inside it, the engine's does not: such calls run in HF's loop."""
+    model = model_for("gemma2")
+    ids, mask = batch((6, 13), seed=4)
+    mask[1, 2:5] = 0
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="hf_paged"):
+        with on_engine(engine_runs, model, expected=0):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                                 cache_implementation="paged")
+    assert torch.equal(out, ref)
+    assert any("sliding-window" in r.getMessage() for r in caplog.records if r.name == "hf_paged")
+
+
+@pytest.mark.parametrize("how", ["assistant", "prompt_lookup"])
+def test_assisted_decoding_on_paged_cache(how, caplog):
+    model = model_for()
+    ids = torch.cat([batch((10,), seed=5)[0]] * 2, dim=1)  # repeated text: prompt lookup finds candidates
+    extra = {"assistant_model": model_for("llama") if how == "assistant" else None,
+             "prompt_lookup_num_tokens": 3 if how == "prompt_lookup" else None}
+    extra = {k: v for k, v in extra.items() if v is not None}
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False, **extra)
+    with caplog.at_level(logging.WARNING, logger="hf_paged"):
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="paged", **extra)
+    assert torch.equal(out, ref)
+    assert any("on a PagedCache" in r.getMessage() for r in caplog.records if r.name == "hf_paged")
+
+
+def test_hidden_states_and_attentions_equal_dynamic_cache():
+    model = model_for("llama")
+    model.set_attn_implementation("eager")
+    try:
+        ids, mask = batch((5, 9), seed=6)
+        kwargs = dict(output_attentions=True, output_hidden_states=True, do_sample=False)
+        out = run(model, ids, mask, PagedCache(model.config, block_size=4), **kwargs)
+        ref = run(model, ids, mask, **kwargs)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert_same(out, ref)
+    for step_out, step_ref in zip(out.attentions, ref.attentions):
+        for a, b in zip(step_out, step_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for step_out, step_ref in zip(out.hidden_states, ref.hidden_states):
+        for a, b in zip(step_out, step_ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_continue_from_the_returned_cache(arch):
+    """`generate(..., return_dict_in_generate=True)` on the engine returns a PagedCache; continuing from it gives what
+    one longer call gives."""
+    model = model_for(arch)
+    ids, mask = batch((4, 9, 13), seed=7)
+    whole = model.generate(ids, attention_mask=mask, max_new_tokens=14, min_new_tokens=14, do_sample=False)
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                           cache_implementation="paged", return_dict_in_generate=True)
+    assert isinstance(first.cache, PagedCache) and first.cache.get_seq_length() == first.sequences.shape[1] - 1
+    longer_mask = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], dim=1)
+    rest = model.generate(first.sequences, attention_mask=longer_mask, cache=first.cache, max_new_tokens=8,
+                          min_new_tokens=8, do_sample=False)
+    assert torch.equal(rest, whole)
+
+
+def test_plain_forward_loop_equals_dynamic_cache():
+    model = model_for("mistral")
+    ids = batch((20,), seed=8)[0]
+    paged, dynamic = PagedCache(model.config, block_size=4), DynamicCache(config=model.config)
+    for cache_ in (paged, dynamic):
+        cache_.logits = []
+        with torch.no_grad():
+            out = model(ids[:, :12], cache=cache_, use_cache=True)
+            cache_.logits.append(out.logits)
+            for t in range(12, 20):
+                cache_.logits.append(model(ids[:, t:t + 1], cache=cache_, use_cache=True).logits)
+    for a, b in zip(paged.logits, dynamic.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert paged.get_seq_length() == dynamic.get_seq_length() == 20
+    assert paged.get_mask_sizes(1, 0) == (21, 0) and paged.is_sliding == [True, True]
+
+
+def dynamic_bytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def test_beam_search_holds_less_than_dynamic_cache():
+    """Beams share the prompt's blocks: at the end the cache holds far less than DynamicCache's copy per beam."""
+    model = model_for()
+    ids = batch((120,), seed=9)[0]
+    paged = PagedCache(model.config, block_size=8)
+    kwargs = dict(max_new_tokens=10, num_beams=4, do_sample=False, return_dict_in_generate=True)
+    out = model.generate(ids, cache=paged, **kwargs)
+    ref = model.generate(ids, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert paged.num_bytes_in_use <= 0.6 * dynamic_bytes(ref.cache), (paged.num_bytes_in_use, dynamic_bytes(ref.cache))
+
+
+def test_crop_frees_the_blocks_past_the_cut():
+    model = model_for()
+    cache = PagedCache(model.config, block_size=4)
+    with torch.no_grad():
+        model(batch((10, 10), seed=10)[0], cache=cache, use_cache=True)
+    held = cache.store.num_blocks_in_use
+    assert held == 2 * 3
+    cache.crop(-5)
+    assert cache.get_seq_length() == 5 and cache.store.num_blocks_in_use == 2 * 2
+    assert cache.store.pool.num_free_blocks == cache.store.pool.num_blocks - 4
+    with pytest.raises(ValueError):
+        cache.crop(3)

@@ -49,6 +49,22 @@ def test_generate_modes_equal_dynamic_cache(arch, mode):
 
 
 @pytest.mark.parametrize("side", ["left", "right", "none"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_modes_and_paddings_through_the_take_over(mode, side, caplog):
+    """`cache_implementation="paged"` in every mode and padding equals HF (scores and logits too), on the engine
+    or in HF's loop on a PagedCache; never on DynamicCache; the returned cache is a PagedCache."""
+    model = model_for()
+    ids, mask = batch((4, 9, 6) if side != "none" else (9, 9, 9), seed=11, side="left" if side == "none" else side)
+    ref = run(model, ids, mask, **MODES[mode])
+    with caplog.at_level(logging.DEBUG, logger="hf_paged"):
+        out = run(model, ids, mask, cache_implementation="paged", **MODES[mode])
+    assert_same(out, ref)
+    assert isinstance(out.cache, PagedCache)
+    paths = [r.getMessage() for r in caplog.records if r.name == "hf_paged" and "generate" in r.getMessage()]
+    assert paths and all("on the paged engine" in p or "on a PagedCache" in p for p in paths), paths
+
+
+@pytest.mark.parametrize("side", ["left", "right", "none"])
 def test_paddings_through_the_take_over(side, engine_runs, caplog):
     """Left padding runs on the engine; right padding in HF's loop on a PagedCache; both equal HF."""
     model = model_for()

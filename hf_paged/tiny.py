@@ -63,3 +63,43 @@ def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 8.0, dtype=t
     model.generation_config.pad_token_id = config.pad_token_id
     model.generation_config.eos_token_id = config.eos_token_id
     return model.eval()
+
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0-3, matching tiny_config's pad / bos / eos ids
+CHAT_TEMPLATE = ("{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def tiny_vocab(vocab_size: int = 128) -> dict[str, int]:
+    """Special tokens, then one token per character: printable ASCII, newline and tab first, then filler characters
+    from the CJK block so that any vocabulary size is covered (random weights produce those: visibly noise)."""
+    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+    if vocab_size < len(SPECIAL_TOKENS) + len(chars):
+        raise ValueError(f"a character vocabulary needs at least {len(SPECIAL_TOKENS) + len(chars)} ids")
+    chars += [chr(0x4E00 + k) for k in range(vocab_size - len(SPECIAL_TOKENS) - len(chars))]
+    return {token: i for i, token in enumerate((*SPECIAL_TOKENS, *chars))}
+
+
+def tiny_tokenizer(vocab_size: int = 128):
+    """A character-level fast tokenizer built in code (no files, no download), with a chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(tiny_vocab(vocab_size), merges=[], unk_token="<unk>"))  # no merges: one id per char
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", padding_side="left")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_chat_model(seed: int = 0, vocab_size: int = 128):
+    """(model, tokenizer): a random-weight 2-layer Llama over `tiny_tokenizer`'s vocabulary (`hf-paged ... --model
+    tiny`). Its text is noise; it exercises every code path without a download."""
+    import torch
+
+    model = tiny_model("llama", seed=seed, vocab_size=vocab_size, hidden=64, layers=2, heads=4, kv_heads=2,
+                       max_len=2048, sharpen=2.0)
+    with torch.no_grad():  # pad, bos and unk (they decode to nothing) never win a greedy pick
+        model.get_output_embeddings().weight[[0, 1, 3]] = 0.0
+    return model, tiny_tokenizer(vocab_size)

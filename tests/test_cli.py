@@ -1,9 +1,138 @@
-"""The README's main job: `hf-paged demo` runs offline and its outputs equal HF generate's."""
+"""`hf-paged`: the demo runs offline and matches HF; generate reads .txt / .jsonl prompt files, writes JSON lines in
+input order, resumes, skips bad lines with their numbers; --help and an unreachable model answer at once."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
 from hf_paged.cli import main
 
+ROOT = Path(__file__).resolve().parent.parent
+# loads hf_paged/cli.py without importing the hf_paged package (whose __init__ loads torch and transformers), as a
+# console entry point outside the package does; prints which heavy modules got imported
+FRONT = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('cli_front', sys.argv.pop(1)); "
+         "m = importlib.util.module_from_spec(spec); sys.modules['cli_front'] = m; spec.loader.exec_module(m)\n"
+         "try:\n    code = m.main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+         "print('HEAVY', sorted({k.split('.')[0] for k in sys.modules} & {'torch', 'transformers', 'hf_paged'}))\n"
+         "sys.exit(code)")
 
-def test_demo_runs_and_matches_hf(capsys):
+
+def front(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", FRONT, str(ROOT / "hf_paged" / "cli.py"), *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **(env or {})})
+    return proc, time.perf_counter() - start
+
+
+def test_help_and_unreachable_model_load_no_torch(tmp_path):
+    proc, _ = front("generate", "--help")
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--max-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--block-size", "--num-blocks",
+                   "--dtype", "--device", "--input", "--output", "--prompt"):
+        assert option in proc.stdout
+    assert "HEAVY []" in proc.stdout, "--help imported torch / transformers / hf_paged"
+    proc, seconds = front("generate", "--model", "some-org/not-cached", "--prompt", "hi",
+                          env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)})
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "not in the Hugging Face cache" in proc.stderr, proc.stderr
+    assert "HEAVY []" in proc.stdout and seconds < 10
+
+
+def test_demo_runs_and_matches_hf(capsys, one_torch_thread):
     assert main(["demo", "--requests", "6", "--max-tokens", "6"]) == 0
     out = capsys.readouterr().out
+    assert "RANDOM weights" in out and "noise" in out
     assert "outputs identical to HF for 6/6 prompts" in out
     assert "hf_paged LLM.generate" in out and "HF generate (padded batch)" in out
+    assert "reserved for this workload" in out and "in use at once" in out
+    assert "prompt 0 (" in out and "the same tokens" in out
+
+
+def test_demo_bar_moves_with_each_step(one_torch_thread):
+    from hf_paged import LLM, SamplingParams
+    from hf_paged.bench.demo import demo_model, paged_run, random_prompts
+
+    model, tok = demo_model()
+    updates = []
+
+    class Bar:
+        update = staticmethod(updates.append)
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    tokens, _, peak = paged_run(LLM(model, tokenizer=tok, num_blocks=32), random_prompts(3, 4096, 0), params, Bar())
+    assert len(updates) == 4 and sum(updates) == 12 and [len(t) for t in tokens] == [4, 4, 4] and peak > 0
+
+
+def write_lines(path: Path, lines: list) -> None:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+
+
+def test_generate_jsonl_in_order_resumable_bad_lines_skipped(tmp_path, one_torch_thread):
+    prompts = tmp_path / "prompts.jsonl"
+    write_lines(prompts, [{"id": "a", "prompt": "Hello there"}, "{not json", {"id": "b", "messages": [
+        {"role": "user", "content": "Hi!"}]}, "", {"no_prompt": 1}, {"id": "c", "prompt": "x" * 40}])
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "hf_paged.cli", "generate", "--model", "tiny", "--input", str(prompts),
+                           "--output", str(out), "--max-tokens", "5", "--no-progress"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr  # two lines were skipped
+    assert f"{prompts}:2: skipped: not JSON" in proc.stderr and f"{prompts}:5: skipped" in proc.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["input_line"] for r in rows] == [1, 3, 6] and [r["id"] for r in rows] == ["a", "b", "c"]
+    assert rows[1]["prompt"] == "[user] Hi!\n[assistant] " and rows[1]["messages"][0]["content"] == "Hi!"
+    assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" and isinstance(r["text"], str)
+               for r in rows)
+
+    from hf_paged import LLM, SamplingParams
+    from hf_paged.tiny import tiny_chat_model
+
+    model, tok = tiny_chat_model()
+    ref = LLM(model, tokenizer=tok).generate(["Hello there", "x" * 40], SamplingParams(max_tokens=5, temperature=0),
+                                              use_tqdm=False)
+    assert [rows[0]["token_ids"], rows[2]["token_ids"]] == [list(o.outputs[0].token_ids) for o in ref]
+
+    # an interrupted run: the last line lost, a torn line left behind; the rerun completes exactly the rest
+    text = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(text[:2]) + text[2][:10])
+    assert main(["generate", "--model", "tiny", "--input", str(prompts), "--output", str(out), "--max-tokens", "5",
+                 "--no-progress"]) == 1
+    assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+
+
+def test_txt_prompts_and_one_off_prompts_echoed(tmp_path, capsys, one_torch_thread):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", "tiny", "--input", str(prompts), "--output", str(out), "--max-tokens", "3",
+                 "--no-progress"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["prompt"], r["input_line"]) for r in rows] == [("first prompt", 1), ("second prompt", 3)]
+    assert main(["generate", "--model", "tiny", "--prompt", "Alpha", "--prompt", "Beta", "--max-tokens", "3"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.index("=== prompt 1 ===\nAlpha\n=== completion (3 tokens") < shown.index("=== prompt 2 ===\nBeta\n")
+
+
+def test_local_model_folder(tmp_path, capsys, one_torch_thread):
+    from hf_paged.tiny import tiny_chat_model
+
+    model, tok = tiny_chat_model()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "Hi", "--max-tokens", "3", "--dtype", "float32"]
+    assert main(argv) == 0
+    assert "=== prompt 1 ===\nHi\n=== completion (3 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "tiny", "--input", "missing.txt", "--output", "o.jsonl"], "does not exist"),
+    (["generate", "--model", "tiny", "--prompt", "x", "--temperature", "-1"], "temperature"),
+])
+def test_user_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err

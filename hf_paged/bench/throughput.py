@@ -1,0 +1,233 @@
+"""CPU throughput: hf_paged `LLM.generate` vs HF padded `generate` vs HF's built-in `generate_batch`.
+
+Full run (takes a while; use a quiet machine):
+
+    hf-paged bench throughput                      # == --requests 16 64 --max-tokens 64
+    hf-paged bench throughput --threads 8
+
+Quick smoke test: `hf-paged bench throughput --small` (hidden 128, 2 layers, vocab 1000, 4 and 8 requests,
+8 new tokens).
+
+Workload: random-weight Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1376, vocab 32000,
+fp32, sdpa), prompts of 16-200 random tokens (seed 0), `--max-tokens` new tokens each, greedy, EOS ignored.
+Systems:
+  hf_paged           hf_paged.LLM(model, block_size=16, max_num_seqs=128).generate(prompts,
+                     SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True), use_tqdm=False)
+  hf_padded          model.generate on the whole left-padded batch with an attention mask (max_new_tokens=
+                     min_new_tokens=64, do_sample=False, eos_token_id=None so no token is masked or stops a row)
+  hf_generate_batch  model.generate_batch(inputs, GenerationConfig(max_new_tokens=64, do_sample=False,
+                     eos_token_id=-1), warmup=False) with hf_paged.disable() called first. HF's default
+                     ContinuousBatchingConfig sizes the KV cache from host RAM (GBs, allocated on every call);
+                     warmup=False skips its dummy max-size batches, which on CPU capture nothing.
+  hf_generate_batch_sized  (opt-in via --systems) the same with ContinuousBatchingConfig(num_blocks=just enough)
+Each (system, request count) runs in its own subprocess (same seed => identical weights and prompts), does a
+2-request/4-token warm-up, then times one call with time.perf_counter; engine construction (LLM(...)) is
+outside the timing, generate_batch's per-call manager start-up is inside it (that is its API). Peak RSS is
+the worker's ru_maxrss. "matmul limit" = output tokens / (workload FLOPs / best fp32 1024^3 matmul FLOP/s),
+FLOPs = 2*non-embedding params*(prompt+output tokens) + 2*lm_head params*output tokens (attention ignored).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from .common import (add_common_args, emit_result, format_table, machine_info, matmul_gflops, peak_rss_mb, plot_path,
+                     pyplot, run_worker, save_figure, set_threads, write_json)
+
+SYSTEMS = ("hf_paged", "hf_padded", "hf_generate_batch")
+EXTRA = ("hf_generate_batch_sized",)  # opt-in: generate_batch with num_blocks sized to the workload
+FULL = dict(model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024,
+                       intermediate_size=1376), prompt_len=(16, 200), requests=[16, 64], max_tokens=64)
+SMALL = dict(model=dict(vocab_size=1000, hidden=128, layers=2, heads=4, kv_heads=2, max_len=1024,
+                        intermediate_size=344), prompt_len=(16, 200), requests=[4, 8], max_tokens=8)
+SEED = 0
+MODULE = "hf_paged.bench.throughput"
+
+
+def make_prompts(count: int, vocab: int, low: int, high: int, seed: int = SEED) -> list[list[int]]:
+    """Deterministic random prompts (ids 3.. avoid pad/bos/eos); stdlib only so the parent stays torch-free."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+# --- worker side ---------------------------------------------------------------------------------------
+def paged_runner(model):
+    import hf_paged
+
+    llm = hf_paged.LLM(model, block_size=16, max_num_seqs=128)
+
+    def run(prompts, max_tokens):
+        params = hf_paged.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    return run
+
+
+def padded_runner(model):
+    import torch
+
+    def run(prompts, max_tokens):
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+        return [row[width:].tolist() for row in out]
+    return run
+
+
+def generate_batch_runner(model, sized: bool = False):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    def run(prompts, max_tokens):
+        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        # sized: just enough 256-token pages for the workload instead of HF's default (a share of host RAM)
+        pages = sum(-(-(len(p) + max_tokens) // 256) for p in prompts) + 1
+        cb = ContinuousBatchingConfig(num_blocks=pages) if sized else None
+        # warmup=False: on CPU it only pre-runs dummy max-size batches (no CUDA graphs); the worker warms up itself
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
+                                       progress_bar=False, warmup=False)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"generate_batch returned {len(outputs)} results for {len(prompts)} prompts")
+        return [list(o.generated_tokens) for o in outputs.values()]
+    return run
+
+
+def worker(args, setup: dict) -> None:
+    threads = set_threads(args.threads)
+    if args.worker == "matmul":
+        emit_result({"gflops": matmul_gflops(), "threads": threads})
+        return
+    import hf_paged
+    from hf_paged.tiny import tiny_model
+
+    if args.worker != "hf_paged":
+        hf_paged.disable()  # HF baselines run on unpatched transformers
+    model = tiny_model("llama", seed=SEED, sharpen=1.0, **setup["model"])
+    runner = {"hf_paged": paged_runner, "hf_padded": padded_runner, "hf_generate_batch": generate_batch_runner,
+              "hf_generate_batch_sized": lambda m: generate_batch_runner(m, sized=True)}[args.worker](model)
+    vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]
+    runner(make_prompts(2, vocab, low, high, seed=SEED + 1), 4)  # warm-up
+    prompts = make_prompts(args.requests[0], vocab, low, high)
+    start = time.perf_counter()
+    tokens = runner(prompts, args.max_tokens)
+    seconds = time.perf_counter() - start
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    emit_result({"system": args.worker, "requests": len(prompts), "seconds": seconds, "threads": threads,
+                 "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": peak_rss_mb(), "tokens": tokens,
+                 "params": {"total": total, "embedding": embed, "lm_head": head,
+                            "non_embedding": total - embed - head}})
+
+
+# --- parent side ---------------------------------------------------------------------------------------
+def plot(path: Path, report: dict) -> None:
+    """Output tok/s against the number of requests, one line per system."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, system in enumerate(report["systems"]):
+        points = sorted((r["requests"], r["tok_per_s"]) for r in report["results"]
+                        if r["system"] == system and "tok_per_s" in r)
+        if points:
+            ax.plot(*zip(*points), marker="o", color=f"C{i}", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(report["requests"], [str(n) for n in report["requests"]])
+    ax.set_xlabel("requests in one generate call")
+    ax.set_ylabel("output tokens / s")
+    model = report["model"]
+    ax.set_title(f"random Llama (hidden {model['hidden']}, {model['layers']} layers), {report['max_tokens']} new "
+                 f"tokens/request, {report['threads']} thread{'s' * (report['threads'] != 1)}", fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf-paged bench throughput", description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS + EXTRA, default=list(SYSTEMS))
+    add_common_args(parser, "throughput", (*SYSTEMS, *EXTRA, "matmul"), timeout=3600,
+                    plot_help="output tok/s against the number of requests")
+    args = parser.parse_args(argv)
+    setup = SMALL if args.small else FULL
+    args.requests = args.requests or setup["requests"]
+    args.max_tokens = args.max_tokens or setup["max_tokens"]
+    if args.worker:
+        worker(args, setup)
+        return 0
+
+    common_args = ["--max-tokens", str(args.max_tokens)] + (["--small"] if args.small else []) + \
+                  (["--threads", str(args.threads)] if args.threads else [])
+    matmul = run_worker(["-m", MODULE, "--worker", "matmul", *common_args], timeout=args.timeout)
+    print(f"fp32 matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads",
+          flush=True)
+    results = []
+    for n in args.requests:
+        for system in args.systems:
+            try:
+                r = run_worker(["-m", MODULE, "--worker", system, "--requests", str(n), *common_args],
+                               timeout=args.timeout)
+                print(f"  {system:<23} {n:>3} requests: {r['seconds']:8.2f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
+                      flush=True)
+            except Exception as exc:  # noqa: BLE001 - report and keep going with the other systems
+                r = {"system": system, "requests": n, "error": str(exc)}
+                print(f"  {system:<23} {n:>3} requests: FAILED\n{exc}", flush=True)
+            results.append(r)
+
+    params = next((r["params"] for r in results if "params" in r), None)
+    limits, rows = {}, []
+    vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]
+    for n in args.requests:
+        prompt_tokens = sum(len(p) for p in make_prompts(n, vocab, low, high))
+        output_tokens = n * args.max_tokens
+        flops = 2 * params["non_embedding"] * (prompt_tokens + output_tokens) + 2 * params["lm_head"] * output_tokens \
+            if params else None
+        limits[n] = output_tokens / (flops / (matmul["gflops"] * 1e9)) if flops else None
+        group = {r["system"]: r for r in results if r["requests"] == n and "error" not in r}
+        reference = group.get("hf_padded", {}).get("tokens")
+        for r in group.values():
+            r["prompt_tokens"], r["tok_per_s"] = prompt_tokens, output_tokens / r["seconds"]
+        for r in (r for r in results if r["requests"] == n):
+            if "error" in r:
+                rows.append([r["system"], n, "failed", None, None, None, None, None, None])
+                continue
+            r["complete"] = r["output_tokens"] == output_tokens
+            r["vs_hf_padded"] = r["tok_per_s"] / group["hf_padded"]["tok_per_s"] if "hf_padded" in group else None
+            base = group.get("hf_generate_batch")
+            r["vs_hf_generate_batch"] = r["tok_per_s"] / base["tok_per_s"] if base else None
+            r["matmul_limit_fraction"] = r["tok_per_s"] / limits[n] if limits[n] else None
+            r["same_as_hf_padded"] = sum(a == b for a, b in zip(r["tokens"], reference)) if reference else None
+            pct = r["matmul_limit_fraction"]
+            same = f"{r['same_as_hf_padded']}/{n}" if reference and r["system"] != "hf_padded" else None
+            rows.append([r["system"], n, r["seconds"], r["tok_per_s"], r["peak_rss_mb"], r["vs_hf_padded"],
+                         r["vs_hf_generate_batch"], None if pct is None else f"{100 * pct:.1f}%", same])
+    for r in results:
+        r.pop("tokens", None)
+
+    report = {"benchmark": "throughput", "small": args.small, "model": setup["model"], "dtype": "float32",
+              "prompt_len": list(setup["prompt_len"]), "seed": SEED, "max_tokens": args.max_tokens,
+              "requests": args.requests, "systems": args.systems, "threads": matmul["threads"],
+              "matmul_gflops": matmul["gflops"], "params": params, "matmul_limit_tok_per_s": limits,
+              "machine": machine_info(), "results": results}
+    path = write_json(args.json, report)
+    if params:
+        print(f"\nmodel: {params['total'] / 1e6:.1f} M params ({params['non_embedding'] / 1e6:.1f} M non-embedding), "
+              f"{args.max_tokens} new tokens/request; matmul-limit output tok/s: "
+              + ", ".join(f"{n} req {v:.0f}" for n, v in limits.items() if v))
+    print(f"results written to {path}\n")
+    print(format_table(["system", "requests", "seconds", "out tok/s", "peak RSS MB", "x HF padded",
+                        "x HF gen_batch", "of matmul limit", "same tokens as padded"], rows))
+    if (png := plot_path(args, path)) is not None:
+        plot(png, report)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

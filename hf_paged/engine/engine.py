@@ -84,6 +84,11 @@ class Engine:
     def check_request(self, index: int, token_ids: list[int], params: SamplingParams) -> None:
         check_request(self.limits, index, token_ids, params, has_tokenizer=self.tokenizer is not None)
 
+    def new_request_ids(self, count: int) -> list[str]:
+        """`count` automatic ids, as `count` add_request calls without ids would take them (processes that make the
+        same calls get the same ids)."""
+        return [self._new_id() for _ in range(count)]
+
     def _new_id(self) -> str:
         """The next automatic id that no queued request uses (a caller's own ids may look like ours)."""
         while True:
@@ -155,8 +160,8 @@ class Engine:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def output(self, group: RequestGroup, samples: list[Request] | None = None) -> RequestOutput:
-        return group_output(group, samples, self.detokenize if self.tokenizer is not None else None)
+    def output(self, group: RequestGroup, samples: list[Request] | None = None, partial: bool = False) -> RequestOutput:
+        return group_output(group, samples, self.detokenize if self.tokenizer is not None else None, partial)
 
     def release(self, group: RequestGroup) -> None:
         """Forget a finished group (its memory is already free)."""

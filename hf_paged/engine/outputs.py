@@ -6,11 +6,13 @@ from typing import Callable
 from ..request import CompletionOutput, Request, RequestGroup, RequestOutput
 
 
-def completion(request: Request, detokenize: Callable[[list[int]], str] | None) -> CompletionOutput:
-    """One sample's result. Text (finished samples only) ends before a stop string that ended it. A tokenizer that
-    fails to decode it makes this output an error (finish_reason "error", the tokens kept, no text)."""
+def completion(request: Request, detokenize: Callable[[list[int]], str] | None,
+               partial: bool = False) -> CompletionOutput:
+    """One sample's result. Text (finished samples only; with `partial`, also the text so far of an unfinished one)
+    ends before a stop string that ended it. A tokenizer that fails to decode it makes this output an error
+    (finish_reason "error", the tokens kept, no text)."""
     text, reason, error = None, request.finish_reason, request.error
-    if request.is_finished and detokenize is not None:
+    if (request.is_finished or partial) and detokenize is not None:
         try:
             text = detokenize(request.output_token_ids)
         except Exception as e:  # noqa: BLE001 - the tokenizer failing ends only this output (its tokens are kept)
@@ -24,12 +26,13 @@ def completion(request: Request, detokenize: Callable[[list[int]], str] | None) 
 
 
 def group_output(group: RequestGroup, samples: list[Request] | None,
-                 detokenize: Callable[[list[int]], str] | None) -> RequestOutput:
-    """The output of `samples` (default: all) of one prompt, samples in order."""
+                 detokenize: Callable[[list[int]], str] | None, partial: bool = False) -> RequestOutput:
+    """The output of `samples` (default: all) of one prompt, samples in order (`partial`: with the text so far of
+    unfinished samples, for streaming snapshots)."""
     samples = group.samples if samples is None else sorted(samples, key=lambda r: r.sample_index)
     first = group.samples[0]
     return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
-                         [completion(r, detokenize) for r in samples],
+                         [completion(r, detokenize, partial) for r in samples],
                          num_cached_tokens=max(0, first.num_cached_tokens),
                          finished=all(r.is_finished for r in samples), metrics=metrics(group))
 

@@ -47,6 +47,7 @@ class SmallBatchLinears:
     def __init__(self, model: torch.nn.Module):
         enabled = os.environ.get("HF_PAGED_SMALL_LINEARS", "1") != "0"
         self.modules = [m for m in model.modules() if enabled and type(m) is torch.nn.Linear
+                        and type(m.weight.data) is torch.Tensor  # not a tp_plan DTensor shard
                         and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
         self.forwards = [_small_batch_forward(m) for m in self.modules]
 

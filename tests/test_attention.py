@@ -8,9 +8,11 @@ import torch
 from hf_paged.attention import cpu_kernel_status, paged_attention, store_kv
 
 
-def reference(query, keys, values, query_lens, scale, window, softcap, sinks=None):
+def reference(query, keys, values, query_lens, scale, window, softcap, sinks=None, alibi=None, chunk=None):
     """Per sequence, dense float64: keys/values hold each sequence's whole context [C, H_kv, D]. `sinks` [H]: a
-    per-head logit in every row's softmax denominator that contributes no value."""
+    per-head logit in every row's softmax denominator that contributes no value. `alibi` [H]: slopes, the score of
+    key k for the query at q gains slope * (k - q) (without sinks, the same softmax as HF bloom's slope * k).
+    `chunk`: keys only from the query's own chunk (k // chunk == q // chunk)."""
     outs, start = [], 0
     heads = query.shape[1]
     for q_len, k, v in zip(query_lens, keys, values):
@@ -25,9 +27,13 @@ def reference(query, keys, values, query_lens, scale, window, softcap, sinks=Non
             scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]
         k_pos = torch.arange(ctx)[None, :]
+        if alibi is not None:
+            scores = scores + alibi.double()[:, None, None] * (k_pos - q_pos).double()
         allowed = k_pos <= q_pos
         if window:
             allowed &= k_pos > q_pos - window
+        if chunk:
+            allowed &= k_pos // chunk == q_pos // chunk
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             sink = sinks.double()[:, None, None].expand(heads, q_len, 1)

@@ -263,14 +263,16 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
 
 def representative_configs():
-    """Every (dtype, cache dtype, head width, mode) class once, rotating softcap, GQA ratio and exact head dim."""
+    """Every (dtype, cache dtype, head width, mode) class once, rotating softcap, GQA ratio, exact head dim and the
+    layer extras (none / sinks / ALiBi)."""
     chosen, i = [], 0
     for dtype, kv_dtype in itertools.product(("fp16", "bf16", "fp32"), ("same", "fp8e4nv")):
         for head_dim in (16, 32, 64, 128, 256):
             for decode, split in ((False, False), (True, False), (True, True)):
                 exact = {64: (64, 80)[i % 2], 128: (128, 96)[i % 2]}.get(head_dim, head_dim)
-                chosen.append(tb.choose_config(dtype, exact, (1, 4, 8, 16)[i % 4], decode, bool(i % 2), split,
-                                               dtype if kv_dtype == "same" else kv_dtype))
+                cfg = tb.choose_config(dtype, exact, (1, 4, 8, 16)[i % 4], decode, bool(i % 2), split,
+                                       dtype if kv_dtype == "same" else kv_dtype)
+                chosen.append(dataclasses.replace(cfg, sinks=i % 3 == 1, alibi=i % 3 == 2))  # layer extras too
                 i += 1
     return chosen
 

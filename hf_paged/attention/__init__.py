@@ -6,6 +6,7 @@ import torch
 
 from .backends import AttentionBackend
 from .cpu_kernel import cpu_kernel_status
+from .extras import LayerExtras
 from .dispatch import BACKENDS, AttentionBackends, choose_backends, unavailable, why_not
 from .metadata import AttentionMetadata, SequenceGroupPlan
 from .torch_backend import store_kv
@@ -17,7 +18,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     sliding_window: int | None = None, softcap: float | None = None, backend: str = "auto",
                     metadata: AttentionMetadata | None = None, key: torch.Tensor | None = None,
                     value: torch.Tensor | None = None, kv_scales: tuple[float, float] = (1.0, 1.0),
-                    strict: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    strict: bool = True, sinks: torch.Tensor | None = None,
+                    extras: LayerExtras | None = None) -> torch.Tensor:
     """Causal attention of packed queries [T, H, D] over paged caches [num_blocks, block_size, H_kv, D].
 
     Either pass a prebuilt `metadata` (the engine does, once per step) or the raw varlen tensors.
@@ -27,7 +29,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     `key` / `value` (the new tokens' K/V, [T, H_kv, D], already stored) let the torch backend skip re-reading pages.
     `kv_scales`: (k_scale, v_scale) of an fp8 cache (stored = value / scale).
     `strict=False`: a named backend that does not cover this particular call gives way to "auto".
-    `sinks`: per-head attention-sink logits [H] that join each row's softmax denominator (torch backend).
+    `sinks`: per-head attention-sink logits [H] that join each row's softmax denominator; `extras`: the layer's
+    sinks / ALiBi slopes / attention chunk (LayerExtras; a backend that does not implement them gives way to torch).
     Each call chooses afresh; a caller making many calls keeps one `choose_backends(...)` and calls its `attend`.
     """
     backends = choose_backends(backend, query.device, strict=strict)
@@ -36,7 +39,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             raise ValueError("paged_attention needs either metadata or cu_seqlens_q, context_lens and block_tables")
         metadata = _metadata_of(cu_seqlens_q, context_lens, block_tables, key_cache.shape[1], query.device)
     return backends.attend(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
-                           kv_scales, sinks=sinks)
+                           kv_scales, sinks=sinks, extras=extras)
 
 
 def _metadata_of(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -51,5 +54,5 @@ def _metadata_of(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_t
     return AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, device)
 
 
-__all__ = ["AttentionMetadata", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS", "cpu_kernel_status",
+__all__ = ["AttentionMetadata", "LayerExtras", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS", "cpu_kernel_status",
            "why_not", "unavailable", "AttentionBackend", "AttentionBackends", "choose_backends"]

@@ -1,6 +1,7 @@
 """A native CPU decode kernel (`cpu/paged_decode.c`), built on first use with the system C compiler.
 
-Decodes read K/V straight from the pages (no gather copy) and each K/V row once per GQA group. The work is
+Decodes read K/V straight from the pages (no gather copy) and each K/V row once per GQA group; sliding windows,
+soft-capping, ALiBi, attention sinks and attention chunks are implemented in the kernel. The work is
 split over OpenMP threads of the same libgomp torch uses (one pool, no oversubscription). Without a
 compiler the kernel is simply absent (`load_cpu_kernel()` returns None and `cpu_kernel_status()` says why)
 and the pure-torch path is used.
@@ -17,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from .extras import LayerExtras
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -67,14 +70,15 @@ class CpuDecodeKernel:
     def __init__(self, path: Path):
         fn = ctypes.CDLL(str(path)).paged_decode_f32
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, i64, i64]
+        fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, ptr, ptr, i64, i64, i64]
         fn.restype = None
         self.fn = fn
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                 softcap: float | None) -> torch.Tensor:
-        """query [G, H, D] fp32 (one token per sequence) -> [G, H, D]; tables int64 [G, B], context_lens int64 [G]."""
+                 softcap: float | None, extras: LayerExtras | None = None) -> torch.Tensor:
+        """query [G, H, D] fp32 (one token per sequence) -> [G, H, D]; tables int64 [G, B], context_lens int64 [G].
+        `extras`: the layer's sinks / ALiBi slopes / attention chunk (LayerExtras), all implemented here."""
         query = query.contiguous()  # the packed rows may come as a transposed view of [H, T, D]
         groups, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
@@ -85,8 +89,21 @@ class CpuDecodeKernel:
         args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
                 context_lens.data_ptr(), out.data_ptr(), scores.data_ptr(), num_heads, num_kv_heads, head_dim,
                 key_cache.shape[1], max_blocks, max_context, scale, sliding_window or 0, softcap or 0.0)
-        self.fn(*args, 0, groups)
+        per_head = [_per_head(t, num_heads) for t in (getattr(extras, "alibi_slopes", None),
+                                                      getattr(extras, "sinks", None))]
+        chunk = getattr(extras, "chunk_size", None) or 0
+        self.fn(*args, *(0 if t is None else t.data_ptr() for t in per_head), chunk, 0, groups)
         return out
+
+
+def _per_head(values: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """A per-head vector ([H] sinks or slopes) as the kernel reads it: contiguous float32 on the CPU."""
+    if values is None:
+        return None
+    values = values.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    if values.shape != (num_heads,):
+        raise ValueError(f"per-head attention values must have shape [{num_heads}], not {tuple(values.shape)}")
+    return values
 
 
 @functools.lru_cache(maxsize=1)

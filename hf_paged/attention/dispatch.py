@@ -13,6 +13,7 @@ import torch
 from ..config import ATTENTION_BACKENDS
 from .backends import BACKEND_CLASSES, AttentionBackend, CallKind, backend_class
 from .backends.torch_sdpa import TorchBackend
+from .extras import LayerExtras
 from .metadata import AttentionMetadata
 
 BACKENDS = ATTENTION_BACKENDS
@@ -85,16 +86,25 @@ class AttentionBackends:
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                metadata: AttentionMetadata, scale: float | None = None, sliding_window: int | None = None,
                softcap: float | None = None, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-               kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """Paged attention of one layer (see AttentionBackend.forward); `scale` None: head_dim ** -0.5. `sinks`:
-        per-head attention-sink logits [H] (gpt-oss and others); the torch backend implements them, so layers with
-        sinks run on it whichever backend was named (the others have no sink input)."""
+               kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None,
+               extras: LayerExtras | None = None) -> torch.Tensor:
+        """Paged attention of one layer (see AttentionBackend.forward); `scale` None: head_dim ** -0.5. `extras`:
+        the layer's attention sinks / ALiBi slopes / attention chunk (`sinks=` is a shorthand for
+        LayerExtras(sinks=...)). A layer using extras runs on the backend chosen for its kind of call when that
+        backend implements them (its `extras` flag), otherwise on the torch backend (which implements all)."""
         if scale is None:
             scale = query.shape[-1] ** -0.5
         if sinks is not None:
-            return self._sink_backend().forward(query, key_cache, value_cache, metadata, scale, sliding_window,
-                                                softcap, key, value, kv_scales, sinks=sinks)
+            extras = LayerExtras(sinks, extras.alibi_slopes, extras.chunk_size) if extras else LayerExtras(sinks)
         backend = self.backend_for(query, key_cache, metadata, sliding_window, softcap)
+        if extras is not None and extras.any():
+            if not extras.names() <= backend.extras:
+                backend = self._extras_backend(query, key_cache, metadata, sliding_window, softcap)
+                if not backend.graph_capturable and query.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(f"a layer with {sorted(extras.names())} runs on the {backend.name} backend, "
+                                       f"which cannot be replayed in a CUDA graph")
+            return backend.forward(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key,
+                                   value, kv_scales, extras=extras)
         return backend.forward(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key, value,
                                kv_scales)
 
@@ -114,8 +124,14 @@ class AttentionBackends:
                 return backend
         return self._candidate("torch")
 
-    def _sink_backend(self) -> AttentionBackend:
-        """The backend for layers with attention sinks: torch (the explicit-scores path)."""
+    def _extras_backend(self, query, key_cache, metadata, sliding_window, softcap) -> AttentionBackend:
+        """For a layer with extras the chosen backend lacks (cuda, flash*): triton where it can serve the call (it
+        implements every extra, and a CUDA-graph replay may include it), else torch (which implements all)."""
+        if self.device.type != "cpu":
+            triton = self._candidate("triton")
+            if triton is not None and triton.unsupported_reason(query, key_cache, metadata, sliding_window,
+                                                                softcap) is None:
+                return triton
         return self._candidate("torch")
 
     def _candidate(self, name: str) -> AttentionBackend | None:

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .extras import allowed as allowed_mask
+
 
 @dataclass(slots=True)
 class SequenceGroupPlan:
@@ -12,8 +14,8 @@ class SequenceGroupPlan:
 
     `query_index[g, j]` is the packed row of query token j of sequence g (0 for padding);
     `valid` selects the real entries of the flattened [G * max_query_len] tile, `rows` where they go.
-    `allowed[window]` is a bool mask [G, 1, max_query_len, kv_len] (bottom-right causal, context length,
-    optional sliding window), built on first use and kept for the other layers of the step.
+    `allowed[(window, chunk)]` is a bool mask [G, 1, max_query_len, kv_len] (bottom-right causal, context length,
+    optional sliding window and attention chunk), built on first use and kept for the other layers of the step.
     """
 
     query_index: torch.Tensor
@@ -28,18 +30,19 @@ class SequenceGroupPlan:
     kv_len: int
     allowed: dict = field(default_factory=dict)
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:
-        key = sliding_window or 0
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every query slot [G, max_query_len] (padding slots continue past the last)."""
+        return self.query_start + torch.arange(self.max_query_len, device=self.block_tables.device)[None, :]
+
+    def mask(self, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
+        key = (sliding_window or 0, chunk_size or 0)
         if key not in self.allowed:
             device = self.block_tables.device
-            q_pos = self.query_start + torch.arange(self.max_query_len, device=device)[None, :]  # [G, Q]
-            k_pos = torch.arange(self.kv_len, device=device)[None, None, :]  # [1, 1, L]
-            allowed = k_pos <= q_pos[:, :, None]
-            if sliding_window:
-                allowed &= k_pos > (q_pos[:, :, None] - sliding_window)
+            k_pos = torch.arange(self.kv_len, device=device)
+            mask = allowed_mask(self.positions(), k_pos, sliding_window, chunk_size)  # [G, Q, L]
             padded_query = torch.arange(self.max_query_len, device=device)[None, :] >= self.query_lens
-            allowed |= padded_query[:, :, None]  # padding rows attend to everything; their output is dropped
-            self.allowed[key] = allowed[:, None]  # [G, 1, Q, L]: broadcast over heads
+            mask |= padded_query[:, :, None]  # padding rows attend to everything; their output is dropped
+            self.allowed[key] = mask[:, None]  # [G, 1, Q, L]: broadcast over heads
         return self.allowed[key]
 
 

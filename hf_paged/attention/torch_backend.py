@@ -5,8 +5,9 @@ attention/backends/torch_sdpa.py, calls `torch_paged_attention`). Also the cache
 Dense groups (see `SequenceGroupPlan`): gather the group's pages into [G, L, H_kv, D] with one
 index_select per cache, attend with a bool mask through SDPA (GQA without repeating K/V), and scatter
 the rows back. Fresh prompts attend over their own new K/V with causal SDPA (no gather, no padding,
-masked-out blocks skipped). Soft-capped logits take a matmul path that views each GQA group's query
-heads as rows of one matrix, so every K/V head is still read once.
+masked-out blocks skipped). Soft-capped logits, ALiBi and attention sinks (`LayerExtras`) take a matmul path that
+views each GQA group's query heads as rows of one matrix, so every K/V head is still read once; attention chunks
+only change the mask.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_kernel import load_cpu_kernel, usable
+from .extras import LayerExtras, alibi_bias
+from .extras import allowed as allowed_mask
 from .metadata import AttentionMetadata, SequenceGroupPlan
 
 
@@ -52,10 +55,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: SequenceGroupPlan,
                   scale: float, sliding_window: int | None, softcap: float | None, native,
-                  kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  kv_scales: tuple[float, float] = (1.0, 1.0), extras: LayerExtras | None = None) -> torch.Tensor:
     if native is not None and plan.max_query_len == 1:
         return native(query[plan.rows], key_cache, value_cache, plan.block_tables, plan.context_lens.view(-1),
-                      scale, sliding_window, softcap)
+                      scale, sliding_window, softcap, extras)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     groups, max_q = plan.query_index.shape
@@ -63,21 +66,24 @@ def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     k = key_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
     v = value_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
     k, v = dequantize(k, q.dtype, kv_scales[0]), dequantize(v, q.dtype, kv_scales[1])
-    allowed = plan.mask(sliding_window)  # [G, 1, Q, L]
-    if softcap or sinks is not None:
-        out = _softcapped(q, k, v, allowed, scale, softcap, sinks)
+    chunk = extras.chunk_size if extras is not None else None
+    allowed = plan.mask(sliding_window, chunk)  # [G, 1, Q, L]
+    if softcap or (extras is not None and (extras.sinks is not None or extras.alibi_slopes is not None)):
+        positions = (plan.positions(), torch.arange(plan.kv_len, device=q.device))
+        out = _explicit(q, k, v, allowed, scale, softcap, extras, positions)
     else:
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
                                              enable_gqa=True)
     return out.transpose(1, 2).reshape(groups * max_q, num_heads, head_dim)[plan.valid]
 
 
-def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention with explicit scores: tanh logit soft-capping and / or per-head attention sinks (SDPA has neither).
-    q [B, H, Q, D]; k, v [B, H_kv, L, D]; query heads are viewed as [H_kv, heads_per_kv * Q] rows so each K/V head is
-    read once per group. `sinks` [H]: a per-head logit that joins each row's softmax denominator (after scaling and
-    capping of the real scores) and contributes no value, as gpt-oss's attention defines it."""
+def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+              softcap: float | None, extras: LayerExtras | None = None, positions: tuple | None = None
+              ) -> torch.Tensor:
+    """Attention with explicit scores: tanh logit soft-capping, ALiBi and / or per-head attention sinks (SDPA has
+    none of them; see LayerExtras for their definitions). q [B, H, Q, D]; k, v [B, H_kv, L, D]; `positions`:
+    (query positions [B, Q], key positions [L]) for ALiBi. Query heads are viewed as [H_kv, heads_per_kv * Q] rows
+    so each K/V head is read once per group."""
     batch, num_heads, max_q, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
     per_kv = num_heads // num_kv_heads
@@ -86,36 +92,35 @@ def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torc
     scores = torch.matmul(rows, k.to(dtype).transpose(2, 3)) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(batch, num_kv_heads, per_kv, max_q, kv_len).masked_fill_(~allowed[:, :, None],
-                                                                                  float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(dtype).view(1, num_kv_heads, per_kv, 1, 1).expand(batch, -1, -1, max_q, 1)
-        scores = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :kv_len]
-        probs = scores.reshape(batch, num_kv_heads, per_kv * max_q, kv_len)
+    scores = scores.view(batch, num_kv_heads, per_kv, max_q, kv_len)
+    if extras is not None and extras.alibi_slopes is not None:
+        bias = alibi_bias(extras.alibi_slopes, positions[0], positions[1])  # [B, H, Q, L]
+        scores = scores + bias.to(dtype).view(batch, num_kv_heads, per_kv, max_q, kv_len)
+    scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
+    if extras is not None and extras.sinks is not None:
+        sink = extras.sinks.to(dtype).view(1, num_kv_heads, per_kv, 1, 1).expand(batch, -1, -1, max_q, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :kv_len]
+        probs = probs.reshape(batch, num_kv_heads, per_kv * max_q, kv_len)
     else:
         probs = scores.softmax(dim=-1).view(batch, num_kv_heads, per_kv * max_q, kv_len)
     return torch.matmul(probs, v.to(dtype)).view(batch, num_heads, max_q, head_dim).to(q.dtype)
 
 
-def _window_mask(length: int, sliding_window: int, device: torch.device) -> torch.Tensor:
-    pos = torch.arange(length, device=device)
-    offset = pos[:, None] - pos[None, :]
-    return (offset >= 0) & (offset < sliding_window)
-
-
 def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                  sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                  sliding_window: int | None, softcap: float | None, extras: LayerExtras | None = None
+                  ) -> torch.Tensor:
     """One prompt with nothing cached: q [L, H, D], k/v [L, H_kv, D] -> [L, H, D]."""
     length = query.shape[0]
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, L, D]
-    windowed = sliding_window is not None and sliding_window < length
-    if softcap or sinks is not None:
-        allowed = (_window_mask(length, sliding_window, query.device) if windowed
-                   else torch.ones(length, length, dtype=torch.bool, device=query.device).tril_())
-        out = _softcapped(q, k, v, allowed[None, None], scale, softcap, sinks)
-    elif windowed:
+    pos = torch.arange(length, device=query.device)
+    chunk = extras.chunk_size if extras is not None else None
+    limited = bool(sliding_window and sliding_window < length) or bool(chunk and chunk < length)
+    if softcap or (extras is not None and (extras.sinks is not None or extras.alibi_slopes is not None)):
+        mask = allowed_mask(pos, pos, sliding_window, chunk)
+        out = _explicit(q, k, v, mask[None, None], scale, softcap, extras, (pos[None], pos))
+    elif limited:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,
-                                             attn_mask=_window_mask(length, sliding_window, query.device))
+                                             attn_mask=allowed_mask(pos, pos, sliding_window, chunk))
     else:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=True)
     return out[0].transpose(0, 1)
@@ -125,13 +130,15 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
                           softcap: float | None = None, key: torch.Tensor | None = None,
                           value: torch.Tensor | None = None, native_decode: bool = False,
-                          kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None
+                          kv_scales: tuple[float, float] = (1.0, 1.0), extras: LayerExtras | None = None
                           ) -> torch.Tensor:
     """query [T, H, D] -> output [T, H, D]; the new tokens' K/V must already be stored.
     With the new tokens' `key` / `value` ([T, H_kv, D]) fresh prompts skip the page gather.
-    `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built (not with `sinks`, per-head
-    attention-sink logits [H], which the explicit-scores path implements)."""
-    use_native = native_decode and sinks is None and usable(query, key_cache)
+    `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built (it implements the
+    LayerExtras too). `extras`: sinks / ALiBi / attention chunks of this layer (None: plain attention)."""
+    if extras is not None and not extras.any():
+        extras = None
+    use_native = native_decode and usable(query, key_cache)
     native = load_cpu_kernel() if use_native else None
     if key_cache.dtype in FP8_DTYPES:  # fresh prompts too attend over what the pages hold, as every later step does
         key = value = None
@@ -139,20 +146,20 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         decodes = metadata.all_decodes()  # one kernel call for every decode: it needs no split by length
         if decodes.rows.numel() == query.shape[0]:  # a pure decode step: rows are 0..T-1 in order
             return native(query, key_cache, value_cache, decodes.block_tables, decodes.context_lens.view(-1),
-                          scale, sliding_window, softcap)
+                          scale, sliding_window, softcap, extras)
         groups = [decodes, *metadata.other_groups()]
     else:
         groups = [*metadata.decode_groups(), *metadata.other_groups()]
     out = torch.empty_like(query)
     for plan in groups:
         out.index_copy_(0, plan.rows, _attend_group(query, key_cache, value_cache, plan, scale, sliding_window, softcap,
-                                                    native, kv_scales, sinks))
+                                                    native, kv_scales, extras))
     for start, end in metadata.fresh:
         if key is None:
             key = dequantize(_gather_rows(key_cache, metadata), query.dtype, kv_scales[0])
             value = dequantize(_gather_rows(value_cache, metadata), query.dtype, kv_scales[1])
         out[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale, sliding_window,
-                                       softcap, sinks)
+                                       softcap, extras)
     return out
 
 

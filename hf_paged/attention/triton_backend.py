@@ -14,12 +14,14 @@ module was first imported (then this backend runs on CPU tensors, slowly: for te
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
 
 import torch
 
+from .extras import LayerExtras
 from .metadata import AttentionMetadata
 
 try:
@@ -37,6 +39,7 @@ KV_DTYPES = {**DTYPES, FP8: "fp8e4nv"}
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MAX_HEADS_PER_KV = 128
 NO_WINDOW = 1 << 30
+NO_CHUNK = 1 << 30  # one chunk holds every position: no limit
 # split-KV rule: decode-only steps whose (sequences x KV heads) programs would not fill 2 waves of SMs are split
 # so that every split still walks at least SPLIT_MIN_KEYS keys; at most MAX_SPLITS splits.
 SPLIT_MIN_KEYS = 256
@@ -67,6 +70,8 @@ class KernelConfig:
     split: bool
     num_warps: int
     num_stages: int
+    sinks: bool = False  # layer extras compiled in (attention/extras.py); attention chunks are a runtime argument
+    alibi: bool = False
 
     @property
     def head_pad(self) -> int:
@@ -80,7 +85,8 @@ class KernelConfig:
         return {"HEAD_DIM": self.head_dim, "HEAD_PAD": self.head_pad, "HEADS_PER_KV": self.heads_per_kv,
                 "BLOCK_M": self.block_m, "BLOCK_Q": self.block_q, "TILE_N": self.tile_n,
                 "USE_SOFTCAP": self.softcap, "SPLIT": self.split, "UPCAST": upcast,
-                "DOT_PRECISION": "ieee" if self.dtype == "fp32" else "tf32"}
+                "DOT_PRECISION": "ieee" if self.dtype == "fp32" else "tf32", "HAS_SINKS": self.sinks,
+                "HAS_ALIBI": self.alibi}
 
 
 def choose_config(dtype: str, head_dim: int, heads_per_kv: int, decode_only: bool, softcap: bool,
@@ -111,14 +117,15 @@ def choose_config(dtype: str, head_dim: int, heads_per_kv: int, decode_only: boo
 
 def kernel_configs(head_dims=(16, 32, 64, 80, 96, 128, 256), heads_per_kv=(1, 2, 4, 8, 16, 32)):
     """Every variant the dispatcher can pick for these head dims and GQA ratios, each with an unquantized and an
-    fp8 cache (block size, sequence lengths, window, scales and split count are runtime arguments; they never
-    select a variant)."""
+    fp8 cache, without layer extras and with sinks or ALiBi (block size, sequence lengths, window, attention chunk,
+    scales and split count are runtime arguments; they never select a variant)."""
     configs = []
-    for dtype, fp8, head_dim, per_kv, softcap, mode in itertools.product(
+    for dtype, fp8, head_dim, per_kv, softcap, mode, extras in itertools.product(
             ("fp16", "bf16", "fp32"), (False, True), head_dims, heads_per_kv, (False, True),
-            ("prefill", "decode", "split")):
-        configs.append(choose_config(dtype, head_dim, per_kv, mode != "prefill", softcap, mode == "split",
-                                     "fp8e4nv" if fp8 else dtype))
+            ("prefill", "decode", "split"), ((False, False), (True, False), (False, True))):
+        cfg = choose_config(dtype, head_dim, per_kv, mode != "prefill", softcap, mode == "split",
+                            "fp8e4nv" if fp8 else dtype)
+        configs.append(dataclasses.replace(cfg, sinks=extras[0], alibi=extras[1]))
     return list(dict.fromkeys(configs))
 
 
@@ -130,7 +137,8 @@ def kernel_signature(cfg: KernelConfig):
     constexprs = cfg.constexprs()
     pointers = {"out_ptr": cfg.dtype, "q_ptr": cfg.dtype, "k_cache_ptr": cfg.kv_dtype, "v_cache_ptr": cfg.kv_dtype,
                 "block_tables_ptr": "i32", "cu_seqlens_q_ptr": "i32", "context_lens_ptr": "i32",
-                "part_m_ptr": "fp32", "part_l_ptr": "fp32", "part_acc_ptr": "fp32"}
+                "part_m_ptr": "fp32", "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "sinks_ptr": "fp32",
+                "alibi_ptr": "fp32"}
     signature = {}
     for name in names:
         if name in constexprs:
@@ -171,10 +179,10 @@ def _dummy(device: torch.device) -> torch.Tensor:
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float, sliding_window: int | None = None,
                     softcap: float | None = None, num_splits: int | None = None,
-                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                    kv_scales: tuple[float, float] = (1.0, 1.0), extras: LayerExtras | None = None) -> torch.Tensor:
     """query [T, H, D] -> output [T, H, D] (new K/V already stored). `num_splits` overrides the split-KV rule.
     `kv_scales`: (k_scale, v_scale) of float8_e4m3fn caches (stored = value / scale); ignored for other caches,
-    as `torch_backend.dequantize` ignores them."""
+    as `torch_backend.dequantize` ignores them. `extras`: the layer's sinks / ALiBi slopes / attention chunk."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     block_size = key_cache.shape[1]
@@ -190,6 +198,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                  sliding_window)
     cfg = choose_config(DTYPES[query.dtype], head_dim, num_heads // num_kv_heads, metadata.max_query_len == 1,
                         bool(softcap), num_splits > 1, KV_DTYPES[key_cache.dtype])
+    sinks, alibi, chunk = _extras_arguments(extras, num_heads, query.device)
+    cfg = dataclasses.replace(cfg, sinks=sinks is not None, alibi=alibi is not None)
     fp8 = key_cache.dtype == FP8
     k_scale, v_scale = (float(kv_scales[0]), float(kv_scales[1])) if fp8 else (1.0, 1.0)
     # numpy has neither bfloat16 nor fp8 (the interpreter carries raw bits), so interpreted kernels upcast to fp32
@@ -206,8 +216,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     grid = (num_tokens // cfg.block_q + num_seqs, num_kv_heads, num_splits)
     kernels.paged_attention_kernel[grid](
         out, query, key_cache, value_cache, tables, metadata.cu_seqlens_q, metadata.context_lens,
-        part_m, part_l, part_acc,
-        num_seqs, float(scale) * k_scale, v_scale, float(softcap or 0.0), int(window), block_size.bit_length() - 1,
+        part_m, part_l, part_acc, _dummy(query.device) if sinks is None else sinks,
+        _dummy(query.device) if alibi is None else alibi,
+        num_seqs, float(scale) * k_scale, v_scale, float(softcap or 0.0), int(window), chunk,
+        block_size.bit_length() - 1,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), tables.stride(0),
@@ -217,6 +229,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             out, part_m, part_l, part_acc, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_PAD=cfg.head_pad, num_warps=4 if cfg.head_pad >= 256 else 2)
     return out
+
+
+def _extras_arguments(extras: LayerExtras | None, num_heads: int, device: torch.device):
+    """(sinks, alibi slopes, chunk) as the kernel reads them: [H] fp32 on the queries' device or None; the chunk,
+    NO_CHUNK when there is none."""
+    def per_head(values):
+        if values is None:
+            return None
+        if values.shape != (num_heads,):
+            raise ValueError(f"per-head attention values must have shape [{num_heads}], not {tuple(values.shape)}")
+        return values.detach().to(device=device, dtype=torch.float32).contiguous()
+
+    if extras is None:
+        return None, None, NO_CHUNK
+    return per_head(extras.sinks), per_head(extras.alibi_slopes), int(extras.chunk_size or NO_CHUNK)
 
 
 def triton_store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

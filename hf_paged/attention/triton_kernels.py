@@ -110,20 +110,24 @@ def _to_cache(x, scale, cache_ptr, FP8: tl.constexpr, SOFT_FP8: tl.constexpr):
 @triton.jit
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    num_seqs, scale, v_scale, softcap, window, log2_block_size,
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, alibi_ptr,
+    num_seqs, scale, v_scale, softcap, window, chunk, log2_block_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HEADS_PER_KV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """One program: (query tile of one sequence, KV head, KV split). Its BLOCK_M rows are BLOCK_Q query tokens
     x HEADS_PER_KV query heads of the KV head's GQA group (row r: token r // HEADS_PER_KV, head r % HEADS_PER_KV),
     so each K/V tile is read once for the whole group. KV positions are walked TILE_N at a time through the
     block table with an online softmax in fp32. SPLIT: write this split's (max, sum, unnormalised out) for
     `reduce_splits_kernel` instead of the output. fp8 caches: `scale` already includes k_scale; `v_scale`
-    multiplies the accumulator (1.0 for unquantized caches: exact)."""
+    multiplies the accumulator (1.0 for unquantized caches: exact). Layer extras (attention/extras.py): `chunk`
+    (NO_CHUNK: none) limits keys to the query's chunk; HAS_ALIBI adds alibi_ptr[head] * (k - q) to the scores;
+    HAS_SINKS joins sinks_ptr[head] to the softmax denominator, once per row (split 0 adds it to its partial state,
+    which the reduce then merges like any other)."""
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -150,9 +154,11 @@ def paged_attention_kernel(
     if UPCAST:  # interpreter only: bf16 / fp8 are carried as raw bits there (module docstring): compute in fp32
         q = q.to(tl.float32)
 
-    # keys this tile can see: [first query's position - window + 1, last query's position]; other tiles skipped
+    # keys this tile can see: [first query's position - window + 1 (or its chunk's start), last query's position];
+    # other tiles skipped
     last_tok = tl.minimum(tile_start + BLOCK_Q, q_len) - 1
-    kv_lo = tl.maximum(context - q_len + tile_start - window + 1, 0)
+    first_pos = context - q_len + tile_start
+    kv_lo = tl.maximum(tl.maximum(first_pos - window + 1, 0), (first_pos // chunk) * chunk)
     kv_hi = context - q_len + last_tok + 1
     tile_lo = kv_lo // TILE_N
     tile_hi = _cdiv(kv_hi, TILE_N)
@@ -166,6 +172,9 @@ def paged_attention_kernel(
         qk_scale = scale / softcap
     else:
         qk_scale = scale * 1.4426950408889634
+    if HAS_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+    chunk_lo = (q_pos // chunk) * chunk
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
@@ -190,7 +199,10 @@ def paged_attention_kernel(
             s = _tanh(s * qk_scale) * (softcap * 1.4426950408889634)
         else:
             s = s * qk_scale
+        if HAS_ALIBI:  # in log2 units, like s
+            s = s + slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window) & k_valid[None, :]
+        allowed = allowed & (k_pos[None, :] >= chunk_lo[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(s))
         alpha = tl.exp2(m_i - m_new)
@@ -199,6 +211,14 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS:
+        if split == 0:  # the sink joins the denominator once: m, l and acc rescaled to the new running max
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
+            m_i = m_new
     acc = acc * v_scale  # the V dequantization, once per program (and before the splits are combined)
     if SPLIT:
         part = (row_index * (tl.num_programs(1) * HEADS_PER_KV) + head) * num_splits + split

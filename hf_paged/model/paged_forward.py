@@ -1,14 +1,19 @@
 """The "paged" attention implementation as transformers sees it, plus its (empty) mask function."""
 from __future__ import annotations
 
+import inspect
 import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 
-from ..attention import AttentionBackends, AttentionMetadata, store_kv
+import torch
+
+from ..attention import AttentionBackends, AttentionMetadata, LayerExtras, store_kv
 from ..kv import KVCache
 
 ATTENTION_NAME = "paged"
+SHAPES_NAME = "hf_paged_kv_shapes"  # the attention implementation that records K/V shapes (record_kv_shapes)
+PASSED_DOWN = ("paged_context", "hf_paged_kv_shapes")  # forward keywords ModulePatches hands to attention modules
 
 
 @dataclass(slots=True)
@@ -24,7 +29,7 @@ class PagedForwardContext:
 
 # keywords an attention module may pass that change nothing here (the engine's own, or flags it already honours)
 IGNORED_KEYWORDS = frozenset({"position_ids", "use_cache", "cache_position", "output_router_logits",
-                              "output_attentions", "is_causal", "layer_idx"})
+                              "output_attentions", "is_causal", "layer_idx", "logits_to_keep"})
 
 
 class UnsupportedAttention(ValueError):
@@ -57,28 +62,82 @@ def paged_attention_forward(module, query, key, value, attention_mask, *args, sc
     already rotated). Stores the new K/V in their slots and attends over each sequence's pages. Anything else the
     module asks for is refused (`check_supported`), never ignored."""
     if paged_context is None:
-        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
         raise UnsupportedAttention(f"the 'paged' attention implementation got no paged_context: it runs only inside "
-                                   f"hf_paged's engine, and a model of type {model_type!r} must pass its forward's "
-                                   f"keyword arguments down to its attention modules")
+                                   f"hf_paged's engine, and a model of type {_model_type(module)!r} must pass its "
+                                   f"forward's keyword arguments down to its attention modules")
     sinks = kwargs.pop("s_aux", None)  # per-head attention-sink logits (gpt-oss, granite_swa, flint)
     if args or dropout or kwargs:
         check_supported(module, args, dropout, kwargs)
-    paged_context.num_calls += 1
-    layer = module.layer_idx
-    cache = paged_context.kv_cache
-    if key.shape[1] != cache.spec.num_kv_heads or key.shape[3] != cache.spec.head_dim:
-        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
-        raise UnsupportedAttention(f"model type {model_type!r}: layer {layer} produces K/V with {key.shape[1]} heads of "
-                                   f"size {key.shape[3]}, but its config describes {cache.spec.num_kv_heads} of size "
-                                   f"{cache.spec.head_dim}")
-    meta = paged_context.metadata
+    query = _llama4_temperature(module, query, paged_context.metadata)
+    extras = LayerExtras(sinks=sinks, chunk_size=_chunk_size(module))
+    out = attend_paged(module, query, key, value, paged_context, scaling, sliding_window, softcap, extras)
+    return out[None], None
+
+
+def attend_paged(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: PagedForwardContext,
+                 scaling: float | None, sliding_window: int | None = None, softcap: float | None = None,
+                 extras: LayerExtras | None = None, layer: int | None = None) -> torch.Tensor:
+    """query [1, H, T, D], key / value [1, H_kv, T, D] of layer `layer` (default `module.layer_idx`) -> [T, H, D]: the
+    new K/V go into their slots, then attention over each sequence's pages. Counts the call (the start-up check
+    compares the count with the number of layers)."""
+    context.num_calls += 1
+    layer = module.layer_idx if layer is None else layer
+    cache = context.kv_cache
+    spec = cache.spec
+    if key.shape[1] != spec.num_kv_heads or key.shape[3] != spec.head_dim or value.shape[1:4:2] != key.shape[1:4:2]:
+        raise UnsupportedAttention(f"model type {_model_type(module)!r}: layer {layer} produces K/V with "
+                                   f"{key.shape[1]} / {value.shape[1]} heads of size {key.shape[3]} / "
+                                   f"{value.shape[3]}, but its KV cache holds {spec.num_kv_heads} heads of size "
+                                   f"{spec.head_dim} for both")
+    meta = context.metadata
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     scales = cache.scales_for(layer, k, v)
     store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping, *scales)
-    out = paged_context.backends.attend(q, cache.key_caches[layer], cache.value_caches[layer], meta, scaling,
-                                        sliding_window, softcap, key=k, value=v, kv_scales=scales, sinks=sinks)
-    return out[None], None
+    return context.backends.attend(q, cache.key_caches[layer], cache.value_caches[layer], meta, scaling,
+                                   sliding_window, softcap, key=k, value=v, kv_scales=scales, extras=extras)
+
+
+def _model_type(module) -> str:
+    return getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+
+
+def _chunk_size(module) -> int | None:
+    """The attention chunk of a "chunked_attention" layer (llama4: `config.attention_chunk_size`), else None."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types or layer_types[module.layer_idx] != "chunked_attention":
+        return None
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk:
+        raise UnsupportedAttention(f"model type {_model_type(module)!r}: layer {module.layer_idx} is a "
+                                   f"chunked_attention layer without an attention_chunk_size")
+    return int(chunk)
+
+
+def sequence_positions(metadata) -> torch.Tensor:
+    """Each packed row's position in its own sequence [T] (int64): the step's rows of sequence b are its last
+    query_len positions before context_lens[b]."""
+    cu = metadata.cu_seqlens_q.long()
+    query_lens = cu[1:] - cu[:-1]
+    rows = metadata.slot_mapping.shape[0]  # a shape: no host sync (CUDA graphs), nor below with output_size
+    start = (metadata.context_lens.long() - query_lens - cu[:-1]).repeat_interleave(query_lens, output_size=rows)
+    return start + torch.arange(rows, device=cu.device)  # row t of sequence b: context - q_len + (t - cu[b])
+
+
+def _llama4_temperature(module, query: torch.Tensor, metadata) -> torch.Tensor:
+    """llama4's NoPE layers scale queries by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)) with pos taken
+    as the row index of the (cache-less, packed) forward; redo it with each row's true position in its sequence.
+    The identity (returns `query` itself) for every other module; below floor_scale every factor is exactly 1."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    positions = sequence_positions(metadata)
+    rows = torch.arange(query.shape[2], device=query.device)
+
+    def temperature(pos: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((pos.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    ratio = temperature(positions) / temperature(rows)  # exactly 1.0 below floor_scale: no change; no host sync
+    return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
 
 
 def paged_mask(*args, **kwargs):
@@ -93,18 +152,213 @@ def forward_lock(model) -> threading.RLock:
     return model.__dict__.setdefault("_hf_paged_forward_lock", threading.RLock())  # dict.setdefault is atomic
 
 
+@dataclass(slots=True)
+class ModulePatches:
+    """What some models need, for the duration of one paged forward, beyond switching `_attn_implementation`:
+
+    - `adapters` [(module, factory)]: attention modules that compute attention themselves instead of calling
+      transformers' AttentionInterface (bloom, mpt: ALiBi is added inside the module). Each one's forward is replaced
+      by `factory(module, self)`: the module's own projections, then the paged attention with its ALiBi slopes.
+    - `injected` [module]: attention modules whose callers drop the forward's keywords (stablelm's decoder layer):
+      a pre-hook hands them the keywords the top-level forward got (`paged_context=`, or the shape recorder's).
+    - `positioned` [module]: position-embedding modules that take `position_ids` but whose models compute them as
+      `arange(T) + cache length` (bart, whisper, ... decoders), wrong for a packed step: a pre-hook passes each
+      row's position in its own sequence instead (what HF computes for that sequence alone).
+
+    The keywords are taken from the top-level forward by a pre-hook on `model`. Outside `installed()` every module
+    is exactly as found (hooks removed, instance-level forwards restored)."""
+
+    model: torch.nn.Module
+    adapters: list
+    injected: list
+    positioned: list = field(default_factory=list)
+    keywords: dict = field(default_factory=dict)
+
+    @property
+    def context(self) -> PagedForwardContext | None:
+        return self.keywords.get("paged_context")
+
+    @contextmanager
+    def installed(self):
+        hooks = [self.model.register_forward_pre_hook(self._capture, with_kwargs=True)]
+        hooks += [m.register_forward_pre_hook(self._inject, with_kwargs=True) for m in self.injected]
+        hooks += [m.register_forward_pre_hook(self._place, with_kwargs=True) for m in self.positioned]
+        found = [module.__dict__.get("forward") for module, _ in self.adapters]  # instance-level forwards, if any
+        try:
+            for module, factory in self.adapters:
+                module.forward = factory(module, self)
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            self.keywords = {}
+            for (module, _), previous in zip(self.adapters, found):
+                module.__dict__.pop("forward", None)
+                if previous is not None:
+                    module.forward = previous
+
+    def _capture(self, _, args, kwargs) -> None:
+        self.keywords = {k: kwargs[k] for k in PASSED_DOWN if k in kwargs}
+
+    def _inject(self, _, args, kwargs):
+        return args, {**self.keywords, **kwargs}
+
+    def _place(self, module, args, kwargs):
+        if self.context is None:
+            return None
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+        given = bound.arguments.get("position_ids")  # the model's own: [T] or [1, T]; ours in the same shape
+        positions = sequence_positions(self.context.metadata)  # [T] where the model passes none (bart's form)
+        bound.arguments["position_ids"] = positions if given is None else positions.view(given.shape)
+        return bound.args, bound.kwargs
+
+    def require_context(self, module) -> PagedForwardContext:
+        if self.context is None:
+            raise UnsupportedAttention(f"model type {_model_type(module)!r}: its forward got no paged_context")
+        return self.context
+
+
+def _heads_first(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[1, T, H * D] or [1, T, H, D] -> [1, H, T, D]."""
+    return x.reshape(x.shape[0], x.shape[1], num_heads, -1).transpose(1, 2)
+
+
+def bloom_attention(module, owner: ModulePatches):
+    """BloomAttention.forward on the paged cache: fused QKV per head, ALiBi slopes (times the module's beta) added to
+    scaled scores, then the dense projection and the residual as the module does it."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes, dropout_add
+
+    if module.pretraining_tp > 1 and module.slow_but_exact:
+        raise UnsupportedAttention("model type 'bloom': slow_but_exact tensor-parallel attention is not supported")
+
+    def forward(hidden_states, residual, alibi=None, attention_mask=None, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        batch, length, _ = hidden_states.shape
+        fused = module.query_key_value(hidden_states).view(batch, length, module.num_heads, 3, module.head_dim)
+        q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))
+        slopes = _get_alibi_slopes(module.num_heads, hidden_states.device) * module.beta
+        out = attend_paged(module, q, k, v, owner.require_context(module), module.inv_norm_factor,
+                           extras=LayerExtras(alibi_slopes=slopes))
+        output = module.dense(out.reshape(batch, length, -1))
+        return dropout_add(output, residual, module.hidden_dropout, module.training), None
+
+    return forward
+
+
+def mpt_attention(module, owner: ModulePatches):
+    """MptAttention.forward on the paged cache: clipped fused QKV, ALiBi slopes read off the bias the model passes
+    (slope * (k - last)), then the output projection."""
+    def forward(hidden_states, position_bias=None, cache=None, attention_mask=None, **kwargs):
+        mixed = module.Wqkv(hidden_states)
+        if module.clip_qkv:
+            mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+        q, k, v = (_heads_first(x, module.n_heads) for x in mixed.chunk(3, dim=2))
+        slopes = None if position_bias is None else (position_bias[:, 0, -1] - position_bias[:, 0, -2]).float()
+        out = attend_paged(module, q, k, v, owner.require_context(module), module.softmax_scale,
+                           extras=LayerExtras(alibi_slopes=slopes))
+        return module.out_proj(out.reshape(hidden_states.shape[0], hidden_states.shape[1], -1)), None
+
+    return forward
+
+
+def gpt_neo_attention(module, owner: ModulePatches):
+    """GPTNeoSelfAttention.forward on the paged cache: unscaled scores, `config.window_size` on its local layers."""
+    window = module.config.window_size if module.attention_type == "local" else None
+
+    def forward(hidden_states, attention_mask=None, layer_past=None, use_cache=False, output_attentions=False,
+                **kwargs):
+        q, k, v = (_heads_first(proj(hidden_states), module.num_heads)
+                   for proj in (module.q_proj, module.k_proj, module.v_proj))
+        out = attend_paged(module, q, k, v, owner.require_context(module), 1.0, window, layer=module.layer_id)
+        out = module.out_proj(out.reshape(hidden_states.shape[0], hidden_states.shape[1], -1))
+        return module.resid_dropout(out), None
+
+    return forward
+
+
+def projected_attention(module, owner: ModulePatches):
+    """The bmm attention of xglm, mvp and trocr decoders (q_proj x scaling, k_proj, v_proj, out_proj), self-attention
+    only: a cross-attention or attention-prompt call is refused."""
+    def forward(hidden_states, key_value_states=None, cache=None, attention_mask=None, attn_prompt=None, **kwargs):
+        if key_value_states is not None or attn_prompt is not None:
+            raise UnsupportedAttention(f"model type {_model_type(module)!r}: cross-attention / attention prompts")
+        q, k, v = (_heads_first(proj(hidden_states), module.num_heads)
+                   for proj in (module.q_proj, module.k_proj, module.v_proj))
+        out = attend_paged(module, q, k, v, owner.require_context(module), module.scaling)
+        return module.out_proj(out.reshape(hidden_states.shape[0], hidden_states.shape[1], -1)), None
+
+    return forward
+
+
+SELF_ATTENDING = {"BloomAttention": bloom_attention, "MptAttention": mpt_attention,
+                  "GPTNeoSelfAttention": gpt_neo_attention, "GPTNeoFlashAttention2": gpt_neo_attention,
+                  "XGLMAttention": projected_attention, "MvpAttention": projected_attention,
+                  "TrOCRAttention": projected_attention}
+
+
 @contextmanager
 def paged_attention_active(configs: list):
     """Switch the model's configs to the "paged" implementation for one forward, restoring them after
-    (even on error), so the model is left exactly as it was found."""
+    (even on error), so the model is left exactly as it was found. `ModulePatches` among them are installed for
+    the same duration."""
+    with attention_implementation(configs, ATTENTION_NAME):
+        yield
+
+
+@contextmanager
+def attention_implementation(configs: list, name: str):
+    """The configs' attention implementation is `name` inside, what it was after (even on error); `ModulePatches`
+    among `configs` are installed for the same duration."""
+    patches = [c for c in configs if isinstance(c, ModulePatches)]
+    configs = [c for c in configs if not isinstance(c, ModulePatches)]
     saved = [c._attn_implementation_internal for c in configs]
     try:
         for c in configs:
-            c._attn_implementation_internal = ATTENTION_NAME
-        yield
+            c._attn_implementation_internal = name
+        with ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p.installed())
+            yield
     finally:
         for c, value in zip(configs, saved):
             c._attn_implementation_internal = value
+
+
+def record_kv_shapes(module, query, key, value, attention_mask, *args, hf_paged_kv_shapes=None, **kwargs):
+    """An attention function that only records what each layer produces: {layer: (K heads, K size, V heads,
+    V size)} into the `hf_paged_kv_shapes` dict passed down the forward's keywords; returns zeros of the output's
+    shape. Used once per model by `spec.describe_model` (the KV cache is shaped by what the modules produce)."""
+    if hf_paged_kv_shapes is not None:
+        layer = getattr(module, "layer_idx", None)
+        hf_paged_kv_shapes[len(hf_paged_kv_shapes) if layer is None else layer] = (
+            key.shape[1], key.shape[3], value.shape[1], value.shape[3])
+    batch, num_heads, length, _ = query.shape
+    return query.new_zeros(batch, length, num_heads, value.shape[3]), None
+
+
+def self_attending_modules(model: torch.nn.Module) -> list:
+    """[(module, factory)] for the model's attention modules that compute attention themselves and have a paged
+    forward here (SELF_ATTENDING)."""
+    return [(m, SELF_ATTENDING[type(m).__name__]) for m in model.modules() if type(m).__name__ in SELF_ATTENDING]
+
+
+def position_takers(model: torch.nn.Module) -> list:
+    """Position-embedding modules (class name ending in "PositionalEmbedding") whose forward takes `position_ids`."""
+    return [m for m in model.modules() if type(m).__name__.endswith("PositionalEmbedding")
+            and "position_ids" in inspect.signature(m.forward).parameters]
+
+
+def keyword_takers(model: torch.nn.Module) -> list:
+    """Modules that may call attention (they have a `layer_idx`) and take arbitrary keywords: where `ModulePatches`
+    injects the forward's keywords for models whose layers drop them."""
+    found = []
+    for module in model.modules():
+        if module is model or getattr(module, "layer_idx", None) is None:
+            continue
+        params = inspect.signature(module.forward).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            found.append(module)
+    return found
 
 
 def _forget(mapping: dict, key: str) -> None:
@@ -117,11 +371,14 @@ def register() -> None:
 
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+    AttentionInterface.register(SHAPES_NAME, record_kv_shapes)
+    AttentionMaskInterface.register(SHAPES_NAME, paged_mask)
 
 
 def unregister() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    _forget(AttentionInterface._global_mapping, ATTENTION_NAME)
-    _forget(AttentionMaskInterface._global_mapping, ATTENTION_NAME)
+    for name in (ATTENTION_NAME, SHAPES_NAME):
+        _forget(AttentionInterface._global_mapping, name)
+        _forget(AttentionMaskInterface._global_mapping, name)

@@ -10,6 +10,7 @@ at start, instead of in the middle of serving. The verdict is kept on the model 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 
@@ -62,6 +63,15 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
     return results
 
 
+def _own_logits(model, ids: list[int], device) -> torch.Tensor:
+    """The model's own last logits for `ids`, called as HF generate calls it: with position ids 0.. when its forward
+    takes them (roberta-like models would otherwise derive positions from their padding index)."""
+    kwargs = {}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kwargs["position_ids"] = torch.arange(len(ids), device=device)[None]
+    return model(input_ids=torch.tensor([ids], device=device), **kwargs).logits[0, -1].float()
+
+
 def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| relative to the largest finite |want|. Entries non-finite in both count as equal (a
     model whose weights already give NaN for some token is no reason to refuse it); NaN in one only is a mismatch."""
@@ -96,8 +106,7 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             # as the model's verdict: the failure may be passing (the next engine checks again)
             raise ValueError(f"model type {model_type!r}: its forward fails on hf_paged's paged path "
                              f"({type(e).__name__}: {e})") from e
-        own = [[model(input_ids=torch.tensor([seq[:cut]], device=spec.kv.device)).logits[0, -1].float()
-                for seq in sequences] for cut in (-1, None)]
+        own = [[_own_logits(model, seq[:cut], spec.kv.device) for seq in sequences] for cut in (-1, None)]
     worst = 0.0
     for got, want in zip(paged, own):
         worst = max(worst, _relative_difference(got, torch.stack(want)))

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import KVCacheSpec
+from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, forward_lock, keyword_takers,
+                            position_takers, self_attending_modules)
 
-SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
 
 @dataclass(slots=True)
@@ -17,14 +19,19 @@ class ModelSpec:
     max_model_len: int | None
     vocab_size: int
     accepts_logits_to_keep: bool
-    configs: list  # every config object whose `_attn_implementation` the forward reads
+    # every config object whose `_attn_implementation` the forward reads, plus the `ModulePatches` that
+    # `paged_attention_active` installs for models that need them (for bloom / mpt, whose attention modules compute
+    # attention themselves, only those)
+    configs: list
 
 
 def describe_model(model: torch.nn.Module) -> ModelSpec:
-    """Refuse what the config already shows cannot be paged (encoder-decoder, layers other than full or sliding
-    attention), and read the KV shapes. Whether the model's attention really goes through transformers'
-    AttentionInterface, with those shapes and nothing the paged function ignores, is decided by what it does:
-    `probe.check_paged_matches_model` runs it once. Raises ValueError naming the model type and the reason."""
+    """Refuse what the config already shows cannot be paged (encoder-decoder, layers other than full, sliding or
+    chunked attention), and read the KV shapes from what the attention modules produce (`module_kv_shape`). Whether
+    the model's attention really goes through transformers' AttentionInterface (or a paged forward of its own
+    attention modules, `ModulePatches`), with those shapes and nothing the paged function ignores, is decided by
+    what it does: `probe.check_paged_matches_model` runs it once. Raises ValueError naming the model type and the
+    reason."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "generation_config"):
         raise ValueError(f"{type(model).__name__} is not a transformers generative model")
@@ -36,16 +43,20 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     odd = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
     if odd:
         raise ValueError(f"model type {model_type!r} has layers of type {odd}; hf_paged supports only "
-                         f"full and sliding-window attention layers (no linear attention / state-space layers)")
+                         f"full, sliding-window and chunked attention layers (no linear attention / state-space "
+                         f"layers)")
     num_heads = getattr(text, "num_attention_heads", None)
     num_layers = getattr(text, "num_hidden_layers", None)
     hidden = getattr(text, "hidden_size", None)
     if not num_heads or not num_layers or not hidden:
         raise ValueError(f"model type {model_type!r} config lacks attention heads / layers / hidden size")
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(text, "head_dim", None) or hidden // num_heads
     param = next(model.parameters())
-    configs = [config] + ([text] if text is not config else [])
+    shape, configs = _switched(model, [config] + ([text] if text is not config else []), model_type)
+    if shape is not None:
+        num_kv_heads, head_dim = shape
+    else:  # the modules' attention did not run through the interface: the config's word (the start-up check decides)
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(text, "head_dim", None) or hidden // num_heads
     forward_params = inspect.signature(model.forward).parameters
     return ModelSpec(
         kv=KVCacheSpec(num_layers, num_kv_heads, head_dim, param.dtype, param.device),
@@ -54,3 +65,63 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
         accepts_logits_to_keep="logits_to_keep" in forward_params,
         configs=configs,
     )
+
+
+def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[tuple[int, int] | None, list]:
+    """(the modules' K/V shape or None, what `paged_attention_active` switches: the configs and any ModulePatches)."""
+    adapters = self_attending_modules(model)
+    if adapters:  # their modules never read `_attn_implementation`: masks stay as HF builds them
+        shape, configs = None, [ModulePatches(model, adapters, [])]
+    else:
+        shape, configs = module_kv_shape(model, configs, model_type)
+    positioned = position_takers(model)
+    return shape, configs + [ModulePatches(model, [], [], positioned)] if positioned else configs
+
+
+def module_kv_shape(model: torch.nn.Module, configs: list, model_type: str) -> tuple[tuple[int, int] | None, list]:
+    """(K/V heads, head size) as the model's attention modules produce them, and the configs to switch (with a
+    `ModulePatches` that hands the forward's keywords to attention modules when the model's layers drop them). Read
+    from one 2-token forward with an attention function that records the shapes (`record_kv_shapes`); kept on the
+    model. Shape None when no layer's attention ran through the interface (the config's sizes are used, and the
+    start-up check has the last word). Raises ValueError when layers differ, or V differs from K: the paged cache
+    holds one shape for every layer's K and V."""
+    known = model.__dict__.get("_hf_paged_kv_shape")
+    if known is None:
+        found, injected = _recorded_shapes(model, configs), False
+        if not found:  # maybe its layers drop the forward's keywords: hand them down
+            found = _recorded_shapes(model, configs + [_injector(model)])
+            injected = bool(found)
+        known = (found or [], injected)
+        if found is not None:  # a forward that failed (maybe passingly) is not kept
+            model.__dict__["_hf_paged_kv_shape"] = known
+    found, injected = known
+    configs = configs + [_injector(model)] if injected else configs
+    if not found:
+        return None, configs
+    if len(found) > 1:
+        raise ValueError(f"model type {model_type!r}: its layers produce K/V of different shapes (heads, size of K, "
+                         f"then of V): {found}; hf_paged's paged cache holds one shape for every layer")
+    k_heads, k_size, v_heads, v_size = found[0]
+    if (k_heads, k_size) != (v_heads, v_size):
+        raise ValueError(f"model type {model_type!r}: its attention produces K with {k_heads} heads of size {k_size} "
+                         f"but V with {v_heads} heads of size {v_size}; hf_paged's paged cache holds K and V of one "
+                         f"shape")
+    return (k_heads, k_size), configs
+
+
+def _injector(model: torch.nn.Module) -> ModulePatches:
+    return ModulePatches(model, [], keyword_takers(model))
+
+
+@torch.inference_mode()
+def _recorded_shapes(model: torch.nn.Module, configs: list) -> list | None:
+    """Distinct (K heads, K size, V heads, V size) the layers recorded in one 2-token forward ([] if none did,
+    None if the forward failed)."""
+    shapes: dict = {}
+    device = next(model.parameters()).device
+    try:
+        with forward_lock(model), attention_implementation(configs, SHAPES_NAME):
+            model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=False, hf_paged_kv_shapes=shapes)
+    except Exception:  # noqa: BLE001 - a model that cannot run this way is judged by its config and the probe
+        return None
+    return sorted(set(shapes.values()))

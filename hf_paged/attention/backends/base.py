@@ -6,6 +6,7 @@ from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 
+from ..extras import LayerExtras
 from ..metadata import AttentionMetadata
 
 
@@ -15,7 +16,9 @@ class AttentionBackend:
 
     Flags: `prefill` / `decode` (serves steps with prompt rows / with one-token rows), `fp8` (reads scaled fp8
     caches, i.e. applies the per-layer `kv_scales`), `graph_capturable` (a decode step may be recorded once in a CUDA
-    graph and replayed: no host-side decision depends on the step's values).
+    graph and replayed: no host-side decision depends on the step's values), `extras` (which of
+    extras.EXTRA_NAMES, i.e. attention sinks / ALiBi / attention chunks, its `forward` implements: the chooser never
+    hands it a layer using any other, and `forward` raises ValueError if called with one).
 
     Invariant the chooser relies on to memoize: `unsupported_reason` looks at nothing but what `CallKind` records.
     """
@@ -25,6 +28,7 @@ class AttentionBackend:
     decode: ClassVar[bool] = True
     fp8: ClassVar[bool] = False
     graph_capturable: ClassVar[bool] = False
+    extras: ClassVar[frozenset] = frozenset()
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -52,11 +56,19 @@ class AttentionBackend:
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None,
                 key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                kv_scales: tuple[float, float] = (1.0, 1.0), extras: LayerExtras | None = None) -> torch.Tensor:
         """query [T, H, D] -> output [T, H, D] over the pages (this step's K/V already stored). `key` / `value`: the
         new rows' K/V [T, H_kv, D], for backends that can skip re-reading them; `kv_scales`: an fp8 cache's
-        (k_scale, v_scale), read only by backends with the `fp8` flag."""
+        (k_scale, v_scale), read only by backends with the `fp8` flag; `extras`: the layer's LayerExtras (only
+        those in the `extras` flag; `check_extras`)."""
         raise NotImplementedError
+
+    def check_extras(self, extras: LayerExtras | None) -> None:
+        """Raise ValueError when `extras` uses something this backend does not implement (never ignore it)."""
+        missing = extras.names() - self.extras if extras is not None else frozenset()
+        if missing:
+            raise ValueError(f"the {self.name} attention backend does not implement {sorted(missing)} "
+                             f"(attention sinks / ALiBi / chunked attention); use the torch or triton backend")
 
 
 class CallKind(NamedTuple):

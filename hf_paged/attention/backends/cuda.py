@@ -38,5 +38,6 @@ class CudaBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None,
                 key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                kv_scales: tuple[float, float] = (1.0, 1.0), extras=None) -> torch.Tensor:
+        self.check_extras(extras)  # the csrc/ decode kernel has no sink / ALiBi / chunk input: refused, never ignored
         return extension.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap)

@@ -84,7 +84,8 @@ class FlashAttention2Backend(AttentionBackend):
         return common_unsupported_reason(LIBRARY, query, key_cache)
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale, sliding_window, softcap,
-                key=None, value=None, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+                key=None, value=None, kv_scales=(1.0, 1.0), extras=None) -> torch.Tensor:
+        self.check_extras(extras)
         if self.library is None:
             raise RuntimeError(self.missing)
         tables = self.tables.get(metadata, "tables", lambda: fa2_tables(metadata))

@@ -120,7 +120,8 @@ class FlashInferBackend(AttentionBackend):
         return self.wrappers[key]
 
     def forward(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale, sliding_window, softcap,
-                key=None, value=None, kv_scales=(1.0, 1.0)) -> torch.Tensor:
+                key=None, value=None, kv_scales=(1.0, 1.0), extras=None) -> torch.Tensor:
+        self.check_extras(extras)
         if self.library is None:
             raise RuntimeError(self.missing)
         pages = self.pages.get(metadata, "pages", lambda: page_list(metadata))

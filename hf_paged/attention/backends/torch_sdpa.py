@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..extras import EXTRA_NAMES, LayerExtras
 from ..metadata import AttentionMetadata
 from ..torch_backend import torch_paged_attention
 from .base import AttentionBackend
@@ -15,6 +16,7 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
     fp8 = True
+    extras = frozenset(EXTRA_NAMES)
 
     def __init__(self, native_decode: bool = False):
         self.native_decode = native_decode
@@ -22,6 +24,6 @@ class TorchBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None,
                 key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                kv_scales: tuple[float, float] = (1.0, 1.0), sinks: torch.Tensor | None = None) -> torch.Tensor:
+                kv_scales: tuple[float, float] = (1.0, 1.0), extras: LayerExtras | None = None) -> torch.Tensor:
         return torch_paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap, key,
-                                     value, native_decode=self.native_decode, kv_scales=kv_scales, sinks=sinks)
+                                     value, native_decode=self.native_decode, kv_scales=kv_scales, extras=extras)

@@ -8,6 +8,7 @@ import os
 import torch
 
 from .. import triton_backend as launcher
+from ..extras import EXTRA_NAMES, LayerExtras
 from ..metadata import AttentionMetadata
 from .base import AttentionBackend
 
@@ -16,6 +17,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     fp8 = True
     graph_capturable = True
+    extras = frozenset(EXTRA_NAMES)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -58,6 +60,6 @@ class TritonBackend(AttentionBackend):
     def forward(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 metadata: AttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None,
                 key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                kv_scales: tuple[float, float] = (1.0, 1.0), extras: LayerExtras | None = None) -> torch.Tensor:
         return launcher.paged_attention(query, key_cache, value_cache, metadata, scale, sliding_window, softcap,
-                                        kv_scales=kv_scales)
+                                        kv_scales=kv_scales, extras=extras)

@@ -8,8 +8,10 @@
  * Work item = one (sequence, kv head) pair, spread over OpenMP threads (built with -fopenmp, the library binds
  * to the libgomp torch already loaded, so both share one thread pool). An item walks its block table block
  * by block once (no per-token division), reads each K row and V row of its kv head once, and serves all query
- * heads of the GQA group from it. The query sits at position context_len - 1 (bottom-right); a sliding window
- * keeps keys k > pos - window. Softcap applies tanh(s / cap) * cap to scaled scores.
+ * heads of the GQA group from it. The query sits at position pos = context_len - 1 (bottom-right); a sliding window
+ * keeps keys k > pos - window, an attention chunk C keys k >= (pos / C) * C. Softcap applies tanh(s / cap) * cap to
+ * scaled scores; ALiBi (`alibi`: [num_heads] slopes, or NULL) then adds slope * (k - pos); a sink (`sinks`:
+ * [num_heads] logits, or NULL) joins each head's softmax denominator with no value.
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,7 +56,8 @@ static void token_offsets(const int64_t *restrict table, int64_t start, int64_t 
 ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict key_cache,
                                const float *restrict value_cache, const int64_t *restrict offsets, float *restrict sg,
                                float *restrict og, int64_t ctx, int64_t start, int64_t per_kv, int64_t head_dim,
-                               int64_t max_context, float scale, float softcap) {
+                               int64_t max_context, float scale, float softcap, const float *restrict alibi,
+                               const float *restrict sinks) {
     for (int64_t t = start; t < ctx; ++t) {
         const float *restrict k = key_cache + offsets[t - start];
         for (int64_t g = 0; g < per_kv; ++g) {
@@ -69,11 +72,16 @@ ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict k
         float *restrict sh = sg + g * max_context;
         if (softcap > 0.f)
             for (int64_t t = start; t < ctx; ++t) sh[t] = tanhf(sh[t] / softcap) * softcap;
-        float top = -INFINITY, total = 0.f;
+        if (alibi != NULL) {
+            const float slope = alibi[g];
+            for (int64_t t = start; t < ctx; ++t) sh[t] += slope * (float)(t - (ctx - 1));
+        }
+        float top = sinks != NULL ? sinks[g] : -INFINITY, total = 0.f;
 #pragma omp simd reduction(max : top)
         for (int64_t t = start; t < ctx; ++t) top = sh[t] > top ? sh[t] : top;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = start; t < ctx; ++t) { sh[t] = exp_nonpositive(sh[t] - top); total += sh[t]; }
+        if (sinks != NULL) total += exp_nonpositive(sinks[g] - top);
         const float inv = 1.f / total;
 #pragma omp simd
         for (int64_t t = start; t < ctx; ++t) sh[t] *= inv;
@@ -94,14 +102,15 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
                       const int64_t *block_tables, const int64_t *context_lens, float *out, float *scores,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, int64_t max_context, float scale, int64_t window, float softcap,
-                      int64_t first, int64_t last) {
+                      const float *alibi, const float *sinks, int64_t chunk, int64_t first, int64_t last) {
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) for all kv heads: contiguous */
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = first * num_kv_heads; item < last * num_kv_heads; ++item) {
         const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
         const int64_t ctx = context_lens[seq];
-        const int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
+        int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
+        if (chunk > 0 && (ctx - 1) / chunk * chunk > start) start = (ctx - 1) / chunk * chunk;
         const int64_t head0 = seq * num_heads + kv * per_kv; /* first query head of the group */
         const float *qg = q + head0 * head_dim;
         float *sg = scores + head0 * max_context;
@@ -112,8 +121,10 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
             continue;
         }
         token_offsets(block_tables + seq * max_blocks, start, ctx, block_size, row, kv * head_dim, offsets);
+        const float *alibi_g = alibi != NULL ? alibi + kv * per_kv : NULL;
+        const float *sinks_g = sinks != NULL ? sinks + kv * per_kv : NULL;
 #define ITEM(D) decode_item(qg, key_cache, value_cache, offsets, sg, og, ctx, start, per_kv, D, max_context, scale, \
-                            softcap)
+                            softcap, alibi_g, sinks_g)
         switch (head_dim) {
             case 64: ITEM(64); break;
             case 128: ITEM(128); break;

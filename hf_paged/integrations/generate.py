@@ -26,11 +26,11 @@ PAGED = "paged"
 _ENGINE_MODEL_KWARGS = {"input_ids", "attention_mask", "use_cache", "logits_to_keep", "cache_config"}
 
 
-def _wants_paged(model, arguments: dict, extra: dict) -> bool:
+def wants_paged(model, options: dict, generation_config=None) -> bool:
     """As HF resolves it: a kwarg, else a passed GenerationConfig's value, else (unset) the model's default."""
-    if "cache_implementation" in extra:
-        return extra["cache_implementation"] == PAGED
-    for config in (arguments.get("generation_config"), model.generation_config):
+    if "cache_implementation" in options:
+        return options["cache_implementation"] == PAGED
+    for config in (generation_config, model.generation_config):
         value = getattr(config, "cache_implementation", None)
         if value is not None:
             return value == PAGED
@@ -171,7 +171,7 @@ def paged_generate(original, model, args: tuple, kwargs: dict):
     bound = signature.bind(model, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra = dict(arguments.pop("kwargs", {}))
-    if not _wants_paged(model, arguments, extra):
+    if not wants_paged(model, extra, arguments.get("generation_config")):
         return original(model, *args, **kwargs)
     spec = describe_model(model)  # unsupported architectures: a clear ValueError, before any work
     options = _cache_config(model, arguments, extra, spec.max_model_len)  # bad options too, even if HF's loop runs

@@ -28,8 +28,8 @@ from ..distributed import gather_in_order, plan_processes
 from ..engine import Engine
 from ..request import RequestGroup
 from ..sampling import SamplingParams
+from .generate import wants_paged
 
-PAGED = "paged"
 # generation options the engine path reproduces (everything else must keep its global default)
 _SAMPLING = {"temperature", "top_k", "top_p", "min_p"}
 _REPRODUCED = {"max_new_tokens", "max_length", "do_sample", "num_return_sequences", "pad_token_id", "bos_token_id",
@@ -49,17 +49,6 @@ class EnginePlan:
     options: dict
     pad: int
     forward_params: dict
-
-
-def wants_paged(model, generate_kwargs: dict) -> bool:
-    """As generate resolves it: a kwarg, else the passed GenerationConfig's value, else the model's default."""
-    if "cache_implementation" in generate_kwargs:
-        return generate_kwargs["cache_implementation"] == PAGED
-    for config in (generate_kwargs.get("generation_config"), model.generation_config):
-        value = getattr(config, "cache_implementation", None)
-        if value is not None:
-            return value == PAGED
-    return False
 
 
 def _global_defaults():
@@ -212,7 +201,7 @@ def paged_get_iterator(original, pipe, inputs, num_workers, batch_size, preproce
                        postprocess_params):
     """The body of the patched `TextGenerationPipeline.get_iterator`."""
     generate_kwargs = pipe._prepare_generate_kwargs({k: v for k, v in forward_params.items() if k != "prefix_length"})
-    if not wants_paged(pipe.model, generate_kwargs):
+    if not wants_paged(pipe.model, generate_kwargs, generate_kwargs.get("generation_config")):
         return original(pipe, inputs, num_workers, batch_size, preprocess_params, forward_params, postprocess_params)
     plan, reason = engine_plan(pipe, forward_params, postprocess_params)
     if reason is not None:

@@ -103,3 +103,13 @@ def tiny_chat_model(seed: int = 0, vocab_size: int = 128):
     with torch.no_grad():  # pad, bos and unk (they decode to nothing) never win a greedy pick
         model.get_output_embeddings().weight[[0, 1, 3]] = 0.0
     return model, tiny_tokenizer(vocab_size)
+
+
+def generate_batch_configs(max_new_tokens: int, num_blocks: int | None = None):
+    """(GenerationConfig, ContinuousBatchingConfig or None) for HF's own `generate_batch` baseline: greedy, no
+    token stops a row; `num_blocks` sizes its cache (None: HF's default, a share of host RAM)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    return config, ContinuousBatchingConfig(num_blocks=num_blocks) if num_blocks is not None else None

@@ -34,18 +34,10 @@ def parse_args(argv):
 
 
 def build_model(small: bool):
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from hf_paged.tiny import tiny_model
 
-    size = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128) if small else \
-        dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512)
-    config = LlamaConfig(vocab_size=1000, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False, **size)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8.0)
-    return model
+    size = dict(hidden=64, layers=2) if small else dict(hidden=256, layers=4)
+    return tiny_model("llama", vocab_size=1000, heads=4, kv_heads=2, max_len=2048, **size)
 
 
 def dynamic_bytes(cache) -> int:

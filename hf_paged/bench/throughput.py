@@ -79,14 +79,12 @@ def padded_runner(model):
 
 
 def generate_batch_runner(model, sized: bool = False):
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from hf_paged.tiny import generate_batch_configs
 
     def run(prompts, max_tokens):
-        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
         # sized: just enough 256-token pages for the workload instead of HF's default (a share of host RAM)
         pages = sum(-(-(len(p) + max_tokens) // 256) for p in prompts) + 1
-        cb = ContinuousBatchingConfig(num_blocks=pages) if sized else None
+        config, cb = generate_batch_configs(max_tokens, pages if sized else None)
         # warmup=False: on CPU it only pre-runs dummy max-size batches (no CUDA graphs); the worker warms up itself
         outputs = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
                                        progress_bar=False, warmup=False)

@@ -58,7 +58,7 @@ class PagedStore:
             if any(self.tables):
                 raise ValueError(f"the cache holds {self.num_rows} rows; got a batch of {num_rows}")
             self.tables = [[] for _ in range(num_rows)]
-            self._table_tensor = None
+            self._tables_changed()
 
     def select_rows(self, rows: list[int]) -> None:
         """New row i is old row `rows[i]` (rows may repeat or be dropped); blocks are shared, never copied."""
@@ -68,7 +68,7 @@ class PagedStore:
         for table in self.tables:
             self.pool.free(table)
         self.tables = new_tables
-        self._table_tensor = None
+        self._tables_changed()
 
     def truncate(self, num_tokens: int) -> None:
         """Keep only the blocks that slots [0, num_tokens) need in every row; the rest go back to the pool."""
@@ -77,13 +77,13 @@ class PagedStore:
             if len(table) > keep:
                 self.pool.free(table[keep:])
                 del table[keep:]
-        self._table_tensor = None
+        self._tables_changed()
 
     def clear(self) -> None:
         for table in self.tables:
             self.pool.free(table)
         self.tables = [[] for _ in self.tables]
-        self._table_tensor = None
+        self._tables_changed()
 
     # ---- memory -----------------------------------------------------------------------------------------------
     @property
@@ -114,12 +114,17 @@ class PagedStore:
         flat_v.index_copy_(0, slots, values.transpose(1, 2).reshape(-1, *flat_v.shape[1:]).to(flat_v.dtype))
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [0, length) of every row as contiguous [rows, heads, length, head_dim] K and V (a gathered copy)."""
+        """Slots [0, length) of every row as [rows, heads, length, head_dim] K and V: a copy gathered whole blocks at a
+        time (each a contiguous page), then laid out heads-first like DynamicCache's tensors."""
         pages = self.layers[layer]
-        slots = self._slots(0, length)
-        flat_k = pages.keys.view(-1, *pages.keys.shape[2:])
-        flat_v = pages.values.view(-1, *pages.values.shape[2:])
-        return flat_k[slots].transpose(1, 2), flat_v[slots].transpose(1, 2)
+        table = self.table_tensor(pages.keys.device)[:, :blocks_needed(length, self.block_size)]
+
+        def gather(storage: torch.Tensor) -> torch.Tensor:
+            blocks = storage.index_select(0, table.reshape(-1))  # index_select: a memcpy per block on CPU
+            rows = blocks.view(table.shape[0], -1, *storage.shape[2:])[:, :length]  # [rows, length, heads, dim]
+            return rows.transpose(1, 2)
+
+        return gather(pages.keys), gather(pages.values)
 
     def table_tensor(self, device: torch.device) -> torch.Tensor:
         """[rows, max_blocks] int32 block tables, padded with the null block."""
@@ -141,6 +146,9 @@ class PagedStore:
             raise ValueError(f"layer {layer}: K/V of {tuple(keys.shape[1:2] + keys.shape[3:])} heads x dim, "
                              f"the cache holds {tuple(pages.keys.shape[2:])}")
         return pages
+
+    def _tables_changed(self) -> None:
+        self._table_tensor = None
 
     def _slots(self, start: int, stop: int) -> torch.Tensor:
         """[rows, stop - start] flat slot indices of positions [start, stop) (every table covers `stop`)."""
@@ -172,7 +180,7 @@ class PagedStore:
         for table in self.tables:
             if len(table) < need:
                 table.extend(self._allocate(need - len(table)))
-                self._table_tensor = None
+                self._tables_changed()
 
     def _unshare(self, start: int, stop: int) -> None:
         """Copy-on-write: a row about to write into a block that other rows also hold gets its own copy (every
@@ -188,4 +196,4 @@ class PagedStore:
                         pages.values[copy] = pages.values[block_id]
                     self.pool.free([block_id])
                     table[index] = copy
-                    self._table_tensor = None
+                    self._tables_changed()

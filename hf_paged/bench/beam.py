@@ -9,6 +9,8 @@ search (`do_sample=False`), `--new-tokens` new tokens, the same call with `cache
 block_size=16)` and with HF's default `DynamicCache`. Checked: identical `sequences`. Reported per beam count: KV
 bytes each cache holds at the end (PagedCache: distinct blocks its tables hold, shared blocks counted once;
 DynamicCache: its K/V tensors), the saving, and the wall time of each call (one run each, after a warm-up call).
+Also timed: greedy on 4 rows of `--prompt-len` tokens, 2 x `--new-tokens` new tokens, each cache (best of 2), to
+show what reading a gathered copy of the pages costs against DynamicCache's concatenation.
 Beams start as copies of one prompt; HF's first reorder points every beam at the best hypothesis, so with paged
 memory they share its blocks and copy only a shared, partly filled block when they write into it.
 """
@@ -66,6 +68,26 @@ def measure(model, prompt, beams: int, new_tokens: int, block_size: int) -> dict
             "saving": 1 - held / reference, "paged_s": paged_s, "dynamic_s": dynamic_s, "identical": True}
 
 
+def time_greedy(model, prompts, new_tokens: int, block_size: int) -> dict:
+    """What reading a gathered copy of the pages costs: greedy on a batch, PagedCache vs DynamicCache (best of 2)."""
+    import torch
+
+    from hf_paged import PagedCache
+
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    times = {"dynamic_s": [], "paged_s": []}
+    for _ in range(2):
+        for key, extra in (("dynamic_s", {}), ("paged_s", {"cache": PagedCache(model.config, block_size=block_size)})):
+            start = time.perf_counter()
+            out = model.generate(prompts, **kwargs, **extra)
+            times[key].append(time.perf_counter() - start)
+            times.setdefault("outputs", []).append(out)
+    outputs = times.pop("outputs")
+    if not all(torch.equal(o, outputs[0]) for o in outputs):
+        raise AssertionError("greedy: PagedCache and DynamicCache outputs differ")
+    return {"rows": prompts.shape[0], **{k: min(v) for k, v in times.items()}}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -78,12 +100,17 @@ def main(argv=None) -> int:
     prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     measure(model, prompt[:, :32], 2, 2, args.block_size)  # warm-up
     results = [measure(model, prompt, beams, args.new_tokens, args.block_size) for beams in args.beams]
+    rows = torch.randint(3, model.config.vocab_size, (4, args.prompt_len), generator=torch.Generator().manual_seed(1))
+    greedy = time_greedy(model, rows, 2 * args.new_tokens, args.block_size)
     rows = [[r["num_beams"], f"{r['dynamic_bytes'] / 2**20:.2f}", f"{r['paged_bytes'] / 2**20:.2f}",
              f"{100 * r['saving']:.1f} %", f"{r['dynamic_s']:.2f}", f"{r['paged_s']:.2f}"] for r in results]
     print(f"beam search, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, identical outputs")
     print(format_table(["num_beams", "DynamicCache MiB", "PagedCache MiB", "less memory", "Dynamic s", "Paged s"],
                        rows))
+    print(f"greedy, {greedy['rows']} rows of {args.prompt_len} tokens, {2 * args.new_tokens} new tokens (best of 2): "
+          f"DynamicCache {greedy['dynamic_s']:.2f} s, PagedCache {greedy['paged_s']:.2f} s")
     path = write_json(args.json, {"benchmark": "beam", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                                  "block_size": args.block_size, "small": args.small, "results": results})
+                                  "block_size": args.block_size, "small": args.small, "results": results,
+                                  "greedy": greedy})
     print(f"results written to {path}")
     return 0

@@ -107,8 +107,9 @@ def _inferred_mask(inputs, config) -> torch.Tensor | None:
     return inputs.ne(pad).long() if bool((inputs == pad).any()) else None
 
 
-def _hf_loop_reason(model, arguments: dict, extra: dict) -> str | None:
-    """Why this call must run in HF's own decoding loop (on a PagedCache); None when the engine can run it."""
+def _hf_loop_reason(model, arguments: dict, extra: dict, config, model_kwargs: dict) -> str | None:
+    """Why this call must run in HF's own decoding loop (on a PagedCache); None when the engine can run it.
+    `config`, `model_kwargs`: the call's generation config and model inputs as HF resolves them."""
     from transformers.generation.configuration_utils import GenerationMode
 
     for name in ("assistant_model", "negative_prompt_ids", "custom_generate", "prefix_allowed_tokens_fn"):
@@ -116,8 +117,6 @@ def _hf_loop_reason(model, arguments: dict, extra: dict) -> str | None:
             return f"{name} needs HF's own loop"
     if arguments.get("synced_gpus"):
         return "synced_gpus needs HF's own loop"
-    probe = {k: v for k, v in extra.items() if k not in ("tokenizer", "assistant_tokenizer")}
-    config, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **probe)
     mode = config.get_generation_mode(arguments.get("assistant_model"))
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"generation mode {mode.value!r} runs in HF's own loop"
@@ -178,12 +177,12 @@ def paged_generate(original, model, args: tuple, kwargs: dict):
     _set_option(arguments, extra, "cache_implementation", None)
     if extra.get("cache", extra.get("past_key_values")) is not None:
         return _run_hf_loop(original, model, arguments, extra, options, "a cache was passed in")
-    reason = _hf_loop_reason(model, arguments, extra)
+    probe = {k: v for k, v in extra.items() if k not in ("tokenizer", "assistant_tokenizer")}
+    resolved, model_kwargs = model._prepare_generation_config(arguments.get("generation_config"), **probe)
+    reason = _hf_loop_reason(model, arguments, extra, resolved, model_kwargs)
     if reason is not None:
         return _run_hf_loop(original, model, arguments, extra, options, reason)
     call = {"streamer": arguments.get("streamer"), "tokenizer": extra.get("tokenizer")}
-    probe = {k: v for k, v in extra.items() if k not in ("tokenizer", "assistant_tokenizer")}
-    resolved, _ = model._prepare_generation_config(arguments.get("generation_config"), **probe)
     if resolved.stop_strings:
         if call["tokenizer"] is None:
             raise ValueError("stop_strings need the tokenizer: pass tokenizer=... to generate")

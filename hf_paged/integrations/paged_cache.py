@@ -4,7 +4,7 @@ It goes wherever HF takes a cache: `model.generate(..., cache=PagedCache(model.c
 `model(input_ids, cache=cache, use_cache=True)` loops, beam search (block tables are reordered and blocks shared
 by reference count, copied only when a beam writes into a shared block), assisted decoding (`crop` frees the
 blocks past the cut). Each layer's `update` writes the new K/V into the pages and hands the attention a gathered,
-contiguous [batch, heads, length, head_dim] view of the row's pages (a transient copy, the same amount of data
+[batch, heads, length, head_dim] copy of the rows' pages (transient, the same amount of data
 `DynamicCache` concatenates every step); the pages are what the cache holds.
 """
 from __future__ import annotations

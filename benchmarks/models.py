@@ -18,8 +18,20 @@ weights (seed 0), eval mode; a left-padded batch of two prompts (7 and 4 tokens)
   CRASH           hf_paged raised something other than ValueError
   not buildable   the config class or model cannot be built tiny this way
   HF fails        HF's own generate fails on the tiny model
+A second check per model (the PagedCache column): HF's own greedy `generate` loop on a caller-passed
+`hf_paged.PagedCache(model.config)` (`generate(..., cache=PagedCache(config))`), the same inputs, compared token for
+token with HF's default generate (its DynamicCache) above. Outcomes as above (no "exact (unpadded)": both runs are
+HF's, padding included), plus:
+  refused         PagedCache raised ValueError: it holds attention K/V only, a model with linear-attention / state
+                  layers is refused when the cache is built (the reason is listed)
+  HF rejects      HF's generate fails with a passed cache of the model's layer types: with
+                  `DynamicCache(config=model.config)` passed the same way it fails too (the PagedCache's error listed),
+                  or the model's code leaves a passed cache unused (a passed DynamicCache stays empty too)
+  WRONG / CRASH   as above; CRASH also when generate fails on the PagedCache but not on a passed DynamicCache
+A model that is not buildable or whose HF generate fails has that outcome in both columns.
 Each model runs in its own subprocess (a crash or a hang costs only that model; --timeout seconds each; one killed
-before its result counts by the phase it had reached: only a death while hf_paged ran is a CRASH).
+before its result counts by the phase it had reached: only a death while hf_paged ran is a CRASH; the PagedCache check
+runs before the engine's, so a death in it is re-run without it for the engine's column).
     python benchmarks/models.py --only blt --update   # re-run a few into the last results; the table is rewritten
                                                       # when those results cover every type
 """
@@ -87,9 +99,11 @@ def shrink(config) -> None:
             shrink(getattr(config, name))
 
 
-def run_one(model_type: str, phase=lambda name: None) -> dict:
-    """The outcome of one model type (see the module doc). `phase(name)` is told "build", "hf" and "paged" as each
-    starts, so that a run killed midway can still be classified."""
+def run_one(model_type: str, phase=lambda name: None, cache_check: bool = True, report=lambda result: None) -> dict:
+    """The outcome of one model type (see the module doc): the engine's in "outcome" / "reason", the PagedCache
+    check's in "paged_cache" (absent with cache_check=False). `phase(name)` is told "build", "hf", "cache" and
+    "paged" as each starts, so that a run killed midway can still be classified; `report` gets the PagedCache
+    check's result as soon as it is known."""
     import torch
     import hf_paged  # noqa: F401  (the take-over)
 
@@ -97,7 +111,7 @@ def run_one(model_type: str, phase=lambda name: None) -> dict:
     try:
         model = tiny(model_type)
     except Exception as e:  # noqa: BLE001
-        return {"outcome": "not buildable", "reason": f"{type(e).__name__}: {e}"[:300]}
+        return both({"outcome": "not buildable", "reason": f"{type(e).__name__}: {e}"[:300]}, cache_check)
     vocab = min(model.config.get_text_config(decoder=True).vocab_size or 512, 512)
     gen = torch.Generator().manual_seed(1)
     ids = torch.zeros(2, 7, dtype=torch.long)
@@ -110,14 +124,74 @@ def run_one(model_type: str, phase=lambda name: None) -> dict:
     try:
         ref = model.generate(ids, return_dict_in_generate=True, output_logits=True, **options)
     except Exception as e:  # noqa: BLE001
-        return {"outcome": "HF fails", "reason": f"{type(e).__name__}: {e}"[:300]}
+        return both({"outcome": "HF fails", "reason": f"{type(e).__name__}: {e}"[:300]}, cache_check)
+    cache = None
+    if cache_check:
+        phase("cache")
+        cache = check_paged_cache(model, ids, options, ref)
+        report(cache)
     phase("paged")
+    result = check_engine(model, ids, mask, options, ref)
+    return result if cache is None else {**result, "paged_cache": cache}
+
+
+def both(result: dict, cache_check: bool) -> dict:
+    """A result that stands for both columns (the model did not build, or HF's own generate failed)."""
+    return {**result, "paged_cache": dict(result)} if cache_check else result
+
+
+def check_engine(model, ids, mask, options, ref) -> dict:
+    """`generate(cache_implementation="paged")` against HF's generate."""
     try:
         out = model.generate(ids, cache_implementation="paged", **options)
     except ValueError as e:
         return {"outcome": "refused", "reason": str(e)[:300]}
     except Exception as e:  # noqa: BLE001
         return {"outcome": "CRASH", "reason": f"{type(e).__name__}: {e}"[:300]}
+    return compare(out, ref, ids.shape[1], lambda row: same_as_hf_alone(model, ids[row], mask[row], out[row], options))
+
+
+def check_paged_cache(model, ids, options, ref) -> dict:
+    """HF's own generate on a passed `hf_paged.PagedCache` against HF's generate on its DynamicCache."""
+    import traceback
+
+    import hf_paged
+    from transformers import DynamicCache
+
+    try:
+        cache = hf_paged.PagedCache(model.config)
+    except ValueError as e:
+        return {"outcome": "refused", "reason": str(e)[:300]}
+    except Exception as e:  # noqa: BLE001
+        return {"outcome": "CRASH", "reason": f"PagedCache(config): {type(e).__name__}: {e}"[:300]}
+    try:
+        out = model.generate(ids, cache=cache, **options)
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+        try:
+            model.generate(ids, cache=DynamicCache(config=model.config), **options)
+        except Exception:  # noqa: BLE001
+            return {"outcome": "HF rejects", "reason": error[:300]}
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        ours = "hf_paged" in Path(where.filename).parts
+        if isinstance(e, ValueError) and ours:
+            return {"outcome": "refused", "reason": str(e)[:300]}
+        return {"outcome": "CRASH", "reason": f"{error} (at {Path(where.filename).name}:{where.lineno}; a passed "
+                                              f"DynamicCache works)"[:300]}
+    result = compare(out, ref, ids.shape[1])
+    if cache.get_seq_length() == 0:  # not used: by HF's design when a passed DynamicCache stays empty too
+        control = DynamicCache(config=model.config)
+        model.generate(ids, cache=control, **options)
+        if control.get_seq_length() == 0:
+            return {"outcome": "HF rejects", "reason": f"the model's code does not use a passed cache (left empty; "
+                                                       f"tokens {result['outcome']})"}
+        return {"outcome": "WRONG", "reason": "generate left the PagedCache empty but writes a passed DynamicCache"}
+    return result
+
+
+def compare(out, ref, prompt_len: int, alone=None) -> dict:
+    """Tokens `out` against HF's `ref` (sequences and logits): exact, near-tie or WRONG; with `alone(row)` (the
+    engine's check), a differing row equal to HF generate on that prompt alone is "exact (unpadded)"."""
     if out.shape == ref.sequences.shape and bool((out == ref.sequences).all()):
         return {"outcome": "exact"}
     if out.shape != ref.sequences.shape:
@@ -126,13 +200,15 @@ def run_one(model_type: str, phase=lambda name: None) -> dict:
     for row in range(out.shape[0]):
         diff = (out[row] != ref.sequences[row]).nonzero()
         if len(diff):
-            if same_as_hf_alone(model, ids[row], mask[row], out[row], options):
+            if alone is not None and alone(row):
                 unpadded.append(row)
                 continue
-            step = int(diff[0]) - ids.shape[1]
+            step = int(diff[0]) - prompt_len
+            if step < 0:
+                return {"outcome": "WRONG", "reason": f"row {row} differs in the prompt at {int(diff[0])}"}
             top2 = ref.logits[step][row].topk(2).values
             margin = float(top2[0] - top2[1])
-            if step < 0 or margin >= MARGIN:
+            if margin >= MARGIN:
                 return {"outcome": "WRONG", "reason": f"row {row} differs at new token {step} (HF margin {margin:.3g})"}
             ties.append(row)
     if ties:
@@ -150,35 +226,49 @@ def same_as_hf_alone(model, ids, mask, got, options) -> bool:
 
 
 def markdown(results: dict[str, dict]) -> str:
-    counts: dict[str, int] = {}
-    for r in results.values():
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
     import transformers
 
+    def totals(outcomes) -> str:
+        counts: dict[str, int] = {}
+        for outcome in outcomes:
+            counts[outcome] = counts.get(outcome, 0) + 1
+        return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+    cache = {name: r.get("paged_cache", {"outcome": "not run"}) for name, r in results.items()}
     lines = ["# Models", "",
              f"Every causal-LM type of transformers {transformers.__version__}, built tiny from its own config class "
              "and run greedy on a left-padded batch of two with HF `generate` and with "
-             "`generate(cache_implementation=\"paged\")`. Made by `python benchmarks/models.py` (see its docstring "
+             "`generate(cache_implementation=\"paged\")`. The PagedCache column runs HF's own `generate` loop on a "
+             "passed `hf_paged.PagedCache` (`generate(..., cache=PagedCache(model.config))`) and compares it token for "
+             "token with HF's `generate` on its DynamicCache. Made by `python benchmarks/models.py` (see its docstring "
              "for the method and the outcomes).", "",
-             "Totals: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())), "",
-             "| model type | outcome | reason |", "|---|---|---|"]
+             f"Totals: paged engine: {totals(r['outcome'] for r in results.values())}; "
+             f"PagedCache: {totals(r['outcome'] for r in cache.values())}", "",
+             "| model type | outcome | reason | PagedCache |", "|---|---|---|---|"]
     for name, r in sorted(results.items()):
-        reason = r.get("reason", "").replace("|", "/").replace("\n", " ")
-        lines.append(f"| {name} | {r['outcome']} | {reason} |")
+        reason = clean(r.get("reason", ""))
+        c = cache[name]
+        column = c["outcome"] if clean(c.get("reason", "")) in ("", reason) else f"{c['outcome']}: {clean(c['reason'])}"
+        lines.append(f"| {name} | {r['outcome']} | {reason} | {column} |")
     return "\n".join(lines) + "\n"
+
+
+def clean(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
 
 
 # a worker that died before printing its result: what the phase it was in means
 UNFINISHED = {"build": ("not buildable", "building it tiny"), "hf": ("HF fails", "HF's own generate"),
-              "paged": ("CRASH", "the paged generate")}
+              "cache": ("CRASH", "HF's generate on a PagedCache"), "paged": ("CRASH", "the paged generate")}
 
 
-def run_worker(name: str, timeout: float) -> dict:
+def run_worker(name: str, timeout: float, cache_check: bool = True) -> dict:
     """Run one model type in its own process; a crash or hang costs only that one. Killed or timed out before
-    its result, it is classified by the phase it had reached (a crash only when hf_paged was running)."""
+    its result, it is classified by the phase it had reached (a crash only when hf_paged was running); one that
+    died in the PagedCache check is run again without it for the engine's outcome."""
+    command = [sys.executable, __file__, "--worker", name] + ([] if cache_check else ["--no-cache-check"])
     try:
-        proc = subprocess.run([sys.executable, __file__, "--worker", name], capture_output=True, text=True,
-                              timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         stdout, why = proc.stdout, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
     except subprocess.TimeoutExpired as e:
         stdout, why = e.stdout or "", f"timed out after {timeout:.0f} s"
@@ -186,9 +276,15 @@ def run_worker(name: str, timeout: float) -> dict:
     lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     if lines and "outcome" in lines[-1]:
         return lines[-1]
-    reached = lines[-1]["phase"] if lines else "build"
+    reached = ([line["phase"] for line in lines if "phase" in line] or ["build"])[-1]
     outcome, doing = UNFINISHED[reached]
-    return {"outcome": outcome, "reason": f"{why} (during {doing})"}
+    result = {"outcome": outcome, "reason": f"{why} (during {doing})"}
+    if reached == "cache":
+        return {**run_worker(name, timeout, cache_check=False), "paged_cache": result}
+    if reached in ("build", "hf"):
+        return both(result, cache_check)
+    cache = [line["paged_cache"] for line in lines if "paged_cache" in line]
+    return {**result, "paged_cache": cache[-1]} if cache else result
 
 
 def main() -> int:
@@ -201,22 +297,29 @@ def main() -> int:
     parser.add_argument("--markdown", default=str(ROOT / "docs" / "models.md"), help="the table (markdown)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--no-cache-check", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = run_one(args.worker, lambda name: print(json.dumps({"phase": name}), flush=True))
+        result = run_one(args.worker, lambda name: print(json.dumps({"phase": name}), flush=True),
+                         cache_check=not args.no_cache_check,
+                         report=lambda cache: print(json.dumps({"paged_cache": cache}), flush=True))
         print(json.dumps(result))
         return 0
     results = json.loads(Path(args.json).read_text()) if args.update else {}
     for name in args.only or model_types():
         start = time.perf_counter()
         result = results[name] = run_worker(name, args.timeout)
-        print(f"{name:28s} {result['outcome']:14s} {time.perf_counter() - start:5.1f}s {result.get('reason', '')[:100]}",
-              flush=True)
+        cache = result.get("paged_cache", {})
+        print(f"{name:28s} {result['outcome']:14s} {cache.get('outcome', '-'):14s} {time.perf_counter() - start:5.1f}s "
+              f"{result.get('reason', '')[:80]} / {cache.get('reason', '')[:80]}", flush=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
     if set(model_types()) <= set(results):  # a complete census
         Path(args.markdown).write_text(markdown({n: results[n] for n in model_types()}))
     bad = [n for n, r in results.items() if r["outcome"] in ("WRONG", "CRASH")]
-    print(f"{len(results)} model types; silently wrong or crashed: {bad or 'none'}")
+    bad_cache = [n for n, r in results.items() if r.get("paged_cache", {}).get("outcome") in ("WRONG", "CRASH")]
+    print(f"{len(results)} model types; silently wrong or crashed: {bad or 'none'}; "
+          f"on a PagedCache: {bad_cache or 'none'}")
+    bad += bad_cache
     return 1 if bad else 0
 
 

@@ -76,6 +76,9 @@ class Request:
     num_published_blocks: int = 0  # leading table blocks already in the prefix map
     swapped_blocks: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     forks: list["Request"] = field(default_factory=list)  # other samples of this prompt, started from it
+    # HF's right padding: the first output is sampled from the logits of this (token id, position), a query that
+    # attends to the whole prompt and whose own K/V are never stored; outputs then continue from its position + 1
+    first_query: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -102,7 +105,32 @@ class Request:
 
     @property
     def cache_salt(self) -> str | None:
-        return self.params.cache_salt
+        """Blocks are shared only between requests whose tokens sit at the same positions."""
+        shift = self.position_shift
+        if not shift:
+            return self.params.cache_salt
+        return f"{self.params.cache_salt or ''}\x00positions{shift:+d}"
+
+    @property
+    def position_shift(self) -> int:
+        """Position of output token j minus its index (num_prompt_tokens + j): 0 unless `first_query` is set."""
+        if self.first_query is None:
+            return 0
+        return self.first_query[1] + 1 - len(self.prompt_token_ids)
+
+    @property
+    def needs_first_query(self) -> bool:
+        """The step that completes the prompt samples from `first_query`, not from the last prompt token."""
+        return self.first_query is not None and not self.output_token_ids
+
+    def positions(self, start: int, end: int) -> range | list[int]:
+        """Position ids of tokens start..end-1: prompt tokens at their index, outputs shifted by `position_shift`."""
+        shift = self.position_shift
+        prompt = len(self.prompt_token_ids)
+        if not shift or end <= prompt:
+            return range(start, end)
+        split = max(start, prompt)
+        return [*range(start, split), *range(split + shift, end + shift)]
 
     @property
     def num_output_tokens(self) -> int:

@@ -15,18 +15,32 @@ from takeover_helpers import (EOS, PAD, assert_ragged, batch, make_tokenizer, mo
 
 
 # ---- 2. padding, EOS, lengths, num_return_sequences ----------------------------------------------------
-def test_right_padded_batch_equals_hf(engine_runs, caplog):
-    """HF warns about right padding but still produces a result (new tokens follow the pads); the paged
-    path must give the very same tensor: it hands such masks to HF's own loop, with a warning."""
+def test_right_padded_batch_equals_hf(engine_runs):
+    """HF warns about right padding but still produces a result: the first new token comes from the last pad
+    (attending to the real tokens), the next ones continue from that pad's position. The engine does the same."""
     model = model_for()
     ids, mask = batch((3, 8, 5), side="right")
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    with caplog.at_level(logging.WARNING, logger="hf_paged"):
-        with on_engine(engine_runs, model, expected=0):
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                                 cache_implementation="paged")
+    out = paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(out, ref)
-    assert any(r.name == "hf_paged" and "padding" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("cache_config", [None, {"block_size": 4, "max_num_batched_tokens": 5}],
+                         ids=["in-step", "chunked-prefill"])
+def test_scores_of_rows_that_finished_early(cache_config, engine_runs):
+    """HF keeps computing rows that hit EOS (on their pads) and returns their scores and logits: so does paged."""
+    model = model_for()
+    ids, mask = batch((3, 7, 12), seed=2)
+    eos, _ = ragged_eos(model, ids, mask, repetition_penalty=1.3)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos, repetition_penalty=1.3,
+                  return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ref = model.generate(ids, **kwargs)
+    assert_ragged(ref.sequences, ids.shape[1], eos)
+    out = paged(model, engine_runs, ids, cache_config=cache_config, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores) and len(out.logits) == len(ref.logits)
+    for a, b in [*zip(out.scores, ref.scores), *zip(out.logits, ref.logits)]:
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])

@@ -194,6 +194,8 @@ class DecodeGraphRunner:
         the tables, graphs not off."""
         if not batch.requests or len(batch.requests) > self.buckets[-1] or any(n != 1 for n in batch.num_new_tokens):
             return False
+        if any(request.needs_first_query for request in batch.requests):  # its extra query row runs eagerly
+            return False
         limit = self.settings.max_blocks * self.runner.block_size
         if any(request.num_computed_tokens >= limit for request in batch.requests) or not self._scales_fixed():
             return False
@@ -280,7 +282,7 @@ class DecodeGraphRunner:
             table = request.block_table
             used = pos // bs + 1
             ids[i] = request.all_token_ids[pos]
-            positions[i] = pos
+            positions[i] = pos + request.position_shift if pos >= request.num_prompt_tokens else pos
             slots[i] = table[pos // bs] * bs + pos % bs
             contexts[i] = pos + 1
             tables[i, :used] = table[:used]

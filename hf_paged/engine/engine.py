@@ -99,27 +99,33 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, index: int = 0,
                     controller: Any = None, prompt_text: str | None = None,
-                    fork_of: Request | None = None) -> RequestGroup:
+                    fork_of: Request | None = None, first_query: tuple[int, int] | None = None) -> RequestGroup:
         """Validate and queue one prompt as a group of `params.n` samples. Returns the group.
 
         Samples after the first (and, with `fork_of`, a queued request with the same prompt, the first too) are not
         scheduled on their own: when the prompt has been computed they fork from it, sharing its blocks and its
-        first-token logits, so the prompt is computed once and all samples stay in step."""
+        first-token logits, so the prompt is computed once and all samples stay in step.
+
+        `first_query` (token id, position): the first output is sampled from this query-only token instead of the
+        last prompt token, and outputs continue at its position + 1 (how HF generates after right padding)."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt, index)
         self.check_request(index, token_ids, params)
+        if first_query is not None:
+            self.check_request(index, [first_query[0]], params)
         with self.lock:
             return self._add(token_ids, params, request_id, priority, index, controller,
-                             prompt if isinstance(prompt, str) else prompt_text, fork_of)
+                             prompt if isinstance(prompt, str) else prompt_text, fork_of, first_query)
 
-    def _add(self, token_ids, params, request_id, priority, index, controller, text, fork_of) -> RequestGroup:
+    def _add(self, token_ids, params, request_id, priority, index, controller, text, fork_of,
+             first_query) -> RequestGroup:
         request_id = self._new_id() if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request {index}: request_id {request_id!r} is already in use")
         group = RequestGroup(request_id, index, text, token_ids)
         for sample in range(params.n):
             request = Request(group, token_ids, params, self.eos_token_ids, next(self._arrivals), priority, sample,
-                              controller)
+                              controller, first_query=first_query)
             if params.seed is not None:
                 request.generator = torch.Generator(self.spec.kv.device).manual_seed(params.seed + sample)
             if params.logprobs is not None:

@@ -8,7 +8,7 @@ import torch
 import time
 
 from ..attention import AttentionMetadata, choose_backends
-from ..kv import KVCache
+from ..kv import NULL_BLOCK, KVCache
 from ..model import ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock, paged_attention_active
 from ..sampling import Sampler
 from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
@@ -28,7 +28,9 @@ class StepInputs:
 class ModelRunner:
     """Turns a `StepPlan` into one `Sampled` per sampled request (`run`); reads requests, changes none.
 
-    Table entries past a sequence's length point at the null block (`metadata` pads with block 0)."""
+    Table entries past a sequence's length point at the null block (`metadata` pads with block 0). A request's
+    `first_query` becomes one extra query-only sequence after its prompt in the step that completes the prompt: it
+    reads the prompt's pages and writes its K/V to the null block."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, kv_cache: KVCache, backend: str = "torch",
                  graphs: DecodeGraphSettings | None = None):
@@ -67,13 +69,21 @@ class ModelRunner:
             start = request.num_computed_tokens
             end = start + n
             input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
+            positions.extend(request.positions(start, end))
             table = request.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_lens.append(n)
             context_lens.append(end)
             tables.append(table)
             if end == request.num_tokens:
+                if request.needs_first_query:  # one more sequence: a query over the whole prompt, storing nothing
+                    token, position = request.first_query
+                    input_ids.append(token)
+                    positions.append(position)
+                    slots.append(NULL_BLOCK * bs)
+                    query_lens.append(1)
+                    context_lens.append(end)
+                    tables.append(table)
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(i)
         device = self.device

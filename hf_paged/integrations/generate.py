@@ -70,16 +70,19 @@ def _cache_config(model, arguments: dict, extra: dict, model_max_len: int | None
     return options
 
 
-def _engine_mask_reason(mask: torch.Tensor, windowed: bool) -> str | None:
-    """The engine drops padding wherever it is (left, or gaps), numbering the real tokens 0.. as HF's position ids
-    do; it needs every row to end with a real token (HF samples a right-padded row's next token after its pad),
-    and no gaps when a layer has a window (HF's window counts padding columns inside it)."""
-    if not bool((mask[:, -1] != 0).all()):
-        return "a row ends with padding (right padding)"
+def _engine_mask_reason(mask: torch.Tensor, windowed: bool, takes_positions: bool) -> str | None:
+    """The engine drops padding wherever it is, numbering the real tokens 0.. as HF's position ids do. A row
+    ending with padding (right padding) samples its first token from its last pad, as HF does, which needs HF's
+    position ids. Padding anywhere but on the left cannot run on the engine with windowed layers: HF's window counts
+    the padding columns inside it."""
     if not bool(((mask == 0) | (mask == 1)).all()):
         return "the attention mask is not 0/1"
+    if not bool((mask != 0).any(dim=-1).all()):
+        return "a row of the attention mask has no real token"
     if windowed and not bool((mask[:, 1:] >= mask[:, :-1]).all()):
-        return "padding between real tokens, with sliding-window layers"
+        return "padding after or between real tokens, with sliding-window layers"
+    if not takes_positions and not bool((mask[:, -1] != 0).all()):
+        return "a row ends with padding (right padding) and the model takes no position_ids"
     return None
 
 
@@ -90,12 +93,22 @@ def _has_windows(model) -> bool:
                 or kinds & {"sliding_attention", "chunked_attention"})
 
 
-def _default_positions(position_ids, mask) -> bool:
+def _takes_positions(model) -> bool:
+    """Whether HF's generate hands this model position ids (its own loop does so exactly then)."""
+    return "position_ids" in inspect.signature(model.forward).parameters and not model.config.is_encoder_decoder
+
+
+def _default_positions(model, inputs, position_ids, mask) -> bool:
     """Caller position ids that are exactly the ones HF derives from the mask (so the engine's are the same)."""
-    if not isinstance(position_ids, torch.Tensor) or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+    if not isinstance(position_ids, torch.Tensor) or not isinstance(inputs, torch.Tensor) or inputs.dim() != 2:
         return False
-    expected = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-    return position_ids.shape == expected.shape and bool((position_ids.to(expected.device) == expected).all())
+    kwargs = {"attention_mask": mask} if isinstance(mask, torch.Tensor) else {}
+    expected = model._prepare_position_ids_for_generation(inputs, kwargs)
+    try:
+        expected = expected.expand(position_ids.shape)
+    except RuntimeError:
+        return False
+    return bool((position_ids.to(expected.device) == expected).all())
 
 
 def _inferred_mask(inputs, config) -> torch.Tensor | None:
@@ -133,10 +146,10 @@ def _hf_loop_reason(model, arguments: dict, extra: dict, config, model_kwargs: d
     if isinstance(mask, torch.Tensor):
         if mask.dim() != 2:
             return "a custom (not 2D) attention mask needs HF's own loop"
-        reason = _engine_mask_reason(mask, _has_windows(model))
+        reason = _engine_mask_reason(mask, _has_windows(model), _takes_positions(model))
         if reason is not None:
             return reason
-    if "position_ids" in model_kwargs and _default_positions(model_kwargs["position_ids"], mask):
+    if "position_ids" in model_kwargs and _default_positions(model, inputs, model_kwargs["position_ids"], mask):
         model_kwargs.pop("position_ids")
     odd = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _ENGINE_MODEL_KWARGS)
     if odd:
@@ -205,7 +218,7 @@ def _paged_decoding_loop(model, input_ids, logits_processor, stopping_criteria, 
     """Decoding method handed to HF's generate via `custom_generate` (runs after HF's preparation)."""
     call = hf_paged_call or {}
     run = GenerateRun(model, input_ids, model_kwargs.get("attention_mask"), generation_config, logits_processor,
-                      stopping_criteria, call.get("streamer"))
+                      stopping_criteria, call.get("streamer"), model_kwargs.get("position_ids"))
     engine = Engine(model, None, run.engine_config(call.get("cache_config")))
     run.run(engine)
     return run.result()

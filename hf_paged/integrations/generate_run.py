@@ -22,20 +22,22 @@ class GenerateRun:
     HF's processors and criteria see exactly the `input_ids` its own loop would hold: every row as passed
     in (padding kept) followed by the tokens generated so far, the whole batch in its order. As in HF, rows that
     stop are padded only when an EOS criterion exists; otherwise every row keeps generating until the
-    last one stops (`self.length`, the common final length). An exception raised by a processor or a
+    last one stops (`self.length`, the common final length). When scores or logits are returned, stopped rows also
+    run on (on their pads) until the last one stops, so that their scores are HF's. An exception raised by a processor or a
     criterion ends the call and reaches the caller unchanged.
     """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
-                 logits_processor, stopping_criteria, streamer):
+                 logits_processor, stopping_criteria, streamer, position_ids: torch.Tensor | None = None):
         self.model = model
         self.input_ids = input_ids
         self.mask = attention_mask
         self.rows = input_ids.tolist()
         mask = attention_mask.tolist() if attention_mask is not None else None
-        # the real tokens of each row (left padding removed); positions restart at 0 like HF's
+        # the real tokens of each row (padding removed); positions restart at 0 like HF's
         self.prompts = [[t for t, m in zip(row, mask[b]) if m] if mask is not None else list(row)
                         for b, row in enumerate(self.rows)]
+        self.first_queries = self._first_queries(mask, position_ids)
         self.config = generation_config
         self.logits_processor = logits_processor
         self.stopping_criteria = stopping_criteria
@@ -51,6 +53,9 @@ class GenerateRun:
         self.scores: list[list[torch.Tensor]] = [[] for _ in self.rows]
         self.raw_logits: list[list[torch.Tensor]] = [[] for _ in self.rows]
         self.pads_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
+        # rows end when they stop, unless HF keeps computing them: without an EOS criterion (no padding), or when
+        # scores / logits are returned (HF returns those of finished rows too, computed from their pads)
+        self.finish_at_stop = self.pads_finished and not (self.want_scores or self.want_logits)
         self.stopped: dict[int, int] = {}  # row -> output count when it first stopped (no-EOS mode)
         self.length: int | None = None
         self.error: Exception | None = None
@@ -58,6 +63,19 @@ class GenerateRun:
         self.streamed = 0
         self.snapshots: KVSnapshots | None = None
         self.block_size = 16
+
+    def _first_queries(self, mask, position_ids) -> list[tuple[int, int] | None]:
+        """Rows ending with padding (right padding): HF samples their first token from the last pad, at the position
+        HF gave it, attending to the real tokens only; later tokens continue from that position."""
+        queries = []
+        for b, row in enumerate(self.rows):
+            if mask is None or mask[b][-1]:
+                queries.append(None)
+                continue
+            if position_ids is None:
+                raise ValueError("hf_paged generate: a right-padded row needs HF's position_ids")
+            queries.append((row[-1], int(position_ids[b, -1])))
+        return queries
 
     @property
     def native(self) -> bool:
@@ -122,6 +140,8 @@ class GenerateRun:
                 tokens = scores.argmax(dim=-1)
             chosen = torch.full_like(tokens, self.pad)
             chosen[rows] = tokens[rows]
+            if self.pads_finished and self.stopped:  # rows that stopped earlier get pads, as HF gives them
+                chosen[torch.tensor(list(self.stopped), device=device)] = self.pad
             for row in rows.tolist():
                 if self.want_scores:
                     self.scores[row].append(scores[row])
@@ -130,11 +150,11 @@ class GenerateRun:
             steps = length + 1 - self.input_ids.shape[1]
             stop = self.stopping_criteria(torch.cat([ids, chosen[:, None]], dim=-1), self._scores_so_far(steps))
             counts = {requests[i].index: requests[i].num_output_tokens + 1 for i in members}
-            if not self.pads_finished:
+            if not self.finish_at_stop:
                 self._note_stops(counts, stop)
             for i in members:
                 row = requests[i].index
-                done = bool(stop[row]) if self.pads_finished else self.length is not None and counts[row] >= self.length
+                done = bool(stop[row]) if self.finish_at_stop else self.length is not None and counts[row] >= self.length
                 picks[i] = (int(chosen[row]), done)
         return picks
 
@@ -146,8 +166,8 @@ class GenerateRun:
         return self._stack(self.scores, steps)
 
     def _note_stops(self, counts: dict[int, int], stop: torch.Tensor) -> None:
-        """Without an EOS criterion HF pads nothing: rows that stop keep generating until the last one stops,
-        whose count becomes everyone's final length."""
+        """Rows that stop keep running until the last one stops, whose count becomes everyone's final length
+        (without an EOS criterion HF pads nothing; with one, stopped rows run on their pads)."""
         for row, count in counts.items():
             if stop[row]:
                 self.stopped.setdefault(row, count)
@@ -180,12 +200,14 @@ class GenerateRun:
             engine.scheduler.release_hooks.append(self.snapshots.keep)
         params = self.sampling_params()
         controller = None if self.native else self
+        keys = list(zip(map(tuple, self.prompts), self.first_queries))
         for b, prompt in enumerate(self.prompts):
             # num_return_sequences copies of a row fork from its first copy: the prompt is computed once
-            first = self.requests[-1] if b and prompt == self.prompts[b - 1] else None
-            while first is not None and first.index > 0 and self.prompts[first.index - 1] == prompt:
+            first = self.requests[-1] if b and keys[b] == keys[b - 1] else None
+            while first is not None and first.index > 0 and keys[first.index - 1] == keys[b]:
                 first = self.requests[first.index - 1]
-            self.requests += engine.add_request(prompt, params, index=b, controller=controller, fork_of=first).samples
+            self.requests += engine.add_request(prompt, params, index=b, controller=controller, fork_of=first,
+                                                first_query=self.first_queries[b]).samples
         while engine.has_unfinished and self.error is None:
             engine.step()
             self.stream_ready()

@@ -114,15 +114,16 @@ class PagedStore:
         flat_v.index_copy_(0, slots, values.transpose(1, 2).reshape(-1, *flat_v.shape[1:]).to(flat_v.dtype))
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [0, length) of every row as [rows, heads, length, head_dim] K and V: a copy gathered whole blocks at a
-        time (each a contiguous page), then laid out heads-first like DynamicCache's tensors."""
+        """Slots [0, length) of every row as contiguous [rows, heads, length, head_dim] K and V: a copy gathered whole
+        blocks at a time (each a contiguous page), then laid out heads-first and contiguous like DynamicCache's
+        tensors (some models `.view` them)."""
         pages = self.layers[layer]
         table = self.table_tensor(pages.keys.device)[:, :blocks_needed(length, self.block_size)]
 
         def gather(storage: torch.Tensor) -> torch.Tensor:
             blocks = storage.index_select(0, table.reshape(-1))  # index_select: a memcpy per block on CPU
             rows = blocks.view(table.shape[0], -1, *storage.shape[2:])[:, :length]  # [rows, length, heads, dim]
-            return rows.transpose(1, 2)
+            return rows.transpose(1, 2).contiguous()
 
         return gather(pages.keys), gather(pages.values)
 

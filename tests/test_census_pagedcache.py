@@ -1,0 +1,30 @@
+"""The census's PagedCache column (benchmarks/models.py): HF's generate on a passed hf_paged.PagedCache, a few types."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+spec = importlib.util.spec_from_file_location("census", Path(__file__).resolve().parent.parent / "benchmarks" / "models.py")
+census = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(census)
+
+
+@pytest.mark.parametrize("model_type, outcome, reason", [
+    ("llama", "exact", ""),
+    ("gemma2", "exact", ""),  # sliding-window layers keep every position; the mask applies the window
+    ("falcon_mamba", "refused", "holds attention K/V only"),  # state layers: PagedCache(config) refuses
+    ("xlnet", "HF rejects", "does not use a passed cache"),  # its own memory: a passed DynamicCache stays empty too
+])
+def test_paged_cache_column(model_type, outcome, reason, one_torch_thread):
+    result = census.run_one(model_type)["paged_cache"]
+    assert result["outcome"] == outcome, result
+    assert reason in result.get("reason", ""), result
+
+
+def test_table_has_both_columns_and_totals():
+    table = census.markdown({"a": {"outcome": "exact", "paged_cache": {"outcome": "exact"}},
+                             "b": {"outcome": "refused", "reason": "r1", "paged_cache": {"outcome": "refused",
+                                                                                          "reason": "r2"}}})
+    assert "| model type | outcome | reason | PagedCache |" in table
+    assert "Totals: paged engine: exact 1, refused 1; PagedCache: exact 1, refused 1" in table
+    assert "| b | refused | r1 | refused: r2 |" in table

@@ -1,0 +1,115 @@
+"""Right padding on the engine. HF samples a right-padded row's first new token from its last pad (a query at the
+position HF gave that pad, attending to the real tokens only) and numbers the next tokens on from that position.
+The engine runs that pad as a query-only token (its K/V go nowhere) and shifts the positions of the outputs; these
+tests compare with HF token for token and check that the call ran on the engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import SamplingParams
+from hf_paged.engine import Engine
+
+from takeover_helpers import PAD, batch, model_for, paged
+
+
+def lower_triangular_mask(ids: torch.Tensor) -> torch.Tensor:
+    """The masks transformers' generation tests build: lower-triangular, so row b has b + 1 real tokens and the
+    rest is right padding."""
+    return torch.tril(torch.ones_like(ids))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen3"])
+def test_right_padding_greedy_and_sampled(arch, engine_runs):
+    model = model_for(arch)
+    ids, mask = batch((3, 9, 1, 6), seed=21, side="right")
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    assert torch.equal(paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=10, do_sample=False), ref)
+    if arch != "llama":
+        return
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=20, num_return_sequences=2,
+                  return_dict_in_generate=True, output_scores=True)
+    torch.manual_seed(3)
+    ref = model.generate(ids, **kwargs)
+    torch.manual_seed(3)
+    out = paged(model, engine_runs, ids, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_testers_masks_and_gaps(engine_runs):
+    """Lower-triangular masks (one real token in the first row), and a row with both a gap and right padding."""
+    model = model_for()
+    ids = batch((7, 7, 7, 7), seed=22)[0]
+    mask = lower_triangular_mask(ids)
+    mask[3] = torch.tensor([1, 0, 1, 1, 0, 1, 0])
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False)
+    assert torch.equal(paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=9, do_sample=False), ref)
+
+
+def test_hf_default_position_ids_passed_by_the_caller_stay_on_the_engine(engine_runs):
+    model = model_for()
+    ids, mask = batch((4, 8), seed=23, side="right")
+    positions = model._prepare_position_ids_for_generation(ids, {"attention_mask": mask})
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    out = paged(model, engine_runs, ids, attention_mask=mask, position_ids=positions, max_new_tokens=6,
+                do_sample=False)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("cache_config", [
+    {"block_size": 4, "num_blocks": 9},  # too small a pool: rows are preempted (some before their first token)
+    {"block_size": 4, "max_num_batched_tokens": 5},  # chunked prefill: the pad's query runs with the last chunk
+], ids=["preemption", "chunked-prefill"])
+def test_right_padding_under_preemption_and_chunking(cache_config, engine_runs):
+    model = model_for()
+    ids, mask = batch((3, 12, 7, 10), seed=24, side="right")
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    out = paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                cache_config=cache_config)
+    assert torch.equal(out, ref)
+    stats = engine_runs[-1].engine.stats()
+    if "num_blocks" in cache_config:
+        assert stats["num_preemptions"] > 0, stats
+
+
+def test_shifted_outputs_are_never_reused_as_a_prefix():
+    """A right-padded row's outputs sit at shifted positions: a later prompt made of the same tokens must not take
+    their blocks from the prefix cache (it must get the tokens it gets on a fresh engine)."""
+    model = model_for()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompt = batch((5,), seed=25)[0][0].tolist()
+    engine = Engine(model, block_size=4, num_blocks=64, enable_prefix_caching=True)
+    first = engine.add_request(prompt, params, first_query=(PAD, 0)).samples[0]
+    while engine.has_unfinished:
+        engine.step()
+    follow_up = prompt + first.output_token_ids[:7]
+    later = engine.add_request(follow_up, params).samples[0]
+    while engine.has_unfinished:
+        engine.step()
+    assert later.output_token_ids == _run_alone(model, follow_up, params)
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0
+
+
+def _run_alone(model, prompt, params) -> list[int]:
+    engine = Engine(model, block_size=4, num_blocks=64)
+    request = engine.add_request(prompt, params).samples[0]
+    while engine.has_unfinished:
+        engine.step()
+    return request.output_token_ids
+
+
+def test_padded_rows_with_equal_tokens_do_not_share_a_first_token(engine_runs):
+    """num_return_sequences copies fork from one computed prompt; rows whose real tokens are equal but whose
+    padding differs (left vs right) are not copies: each samples from its own query."""
+    model = model_for()
+    prompt = batch((5,), seed=26)[0][0]
+    pads = torch.full((2,), PAD)
+    ids = torch.stack([torch.cat([prompt, pads]), torch.cat([pads, prompt])])
+    mask = (torch.arange(7) < 5).long().repeat(2, 1)
+    mask[1] = mask[1].flip(0)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert not torch.equal(ref[0, 7:], ref[1, 7:]), "the two paddings gave the same tokens: the test shows nothing"
+    assert torch.equal(paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=6, do_sample=False), ref)

@@ -9,6 +9,7 @@ import torch
 
 from hf_paged import SamplingParams
 from hf_paged.engine import Engine
+from hf_paged.tiny import tiny_model
 
 from takeover_helpers import PAD, batch, model_for, paged
 
@@ -113,3 +114,21 @@ def test_padded_rows_with_equal_tokens_do_not_share_a_first_token(engine_runs):
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     assert not torch.equal(ref[0, 7:], ref[1, 7:]), "the two paddings gave the same tokens: the test shows nothing"
     assert torch.equal(paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=6, do_sample=False), ref)
+
+
+def test_windows_longer_than_the_call_mask_nothing(engine_runs):
+    """A sliding window at least as long as the input plus its new tokens hides no key, in HF's loop or on the
+    engine: right padding on such a model runs on the engine."""
+    model = tiny_model("mistral", sliding_window=64)
+    ids, mask = batch((4, 9, 2), seed=27, side="right")
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=12, do_sample=False), ref)
+
+
+def test_eos_token_id_minus_one_means_none(engine_runs):
+    """transformers' own tests pass eos_token_id=-1 for "never stop": a token id no row can produce."""
+    model = model_for()
+    ids, mask = batch((3, 7), seed=28)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    out = paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    assert torch.equal(out, ref)

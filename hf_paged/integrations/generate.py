@@ -73,8 +73,8 @@ def _cache_config(model, arguments: dict, extra: dict, model_max_len: int | None
 def _engine_mask_reason(mask: torch.Tensor, windowed: bool, takes_positions: bool) -> str | None:
     """The engine drops padding wherever it is, numbering the real tokens 0.. as HF's position ids do. A row
     ending with padding (right padding) samples its first token from its last pad, as HF does, which needs HF's
-    position ids. Padding anywhere but on the left cannot run on the engine with windowed layers: HF's window counts
-    the padding columns inside it."""
+    position ids. Padding anywhere but on the left cannot run on the engine with windowed layers whose window is
+    shorter than the call (HF's window counts the padding columns inside it)."""
     if not bool(((mask == 0) | (mask == 1)).all()):
         return "the attention mask is not 0/1"
     if not bool((mask != 0).any(dim=-1).all()):
@@ -86,11 +86,16 @@ def _engine_mask_reason(mask: torch.Tensor, windowed: bool, takes_positions: boo
     return None
 
 
-def _has_windows(model) -> bool:
+def _window_bites(model, span: int | None) -> bool:
+    """Whether a sliding window or attention chunk may hide a key within `span` columns (the call's input width plus
+    its new tokens; None: unknown). A window at least that long masks nothing, in HF's loop or on the engine."""
     text = model.config.get_text_config(decoder=True)
-    kinds = set(getattr(text, "layer_types", None) or [])
-    return bool(getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
-                or kinds & {"sliding_attention", "chunked_attention"})
+    sizes = [size for size in (getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None))
+             if size]
+    kinds = set(getattr(text, "layer_types", None) or []) & {"sliding_attention", "chunked_attention"}
+    if not sizes:
+        return bool(kinds)  # windowed layers of a size we cannot read
+    return span is None or min(sizes) <= span
 
 
 def _takes_positions(model) -> bool:
@@ -146,7 +151,11 @@ def _hf_loop_reason(model, arguments: dict, extra: dict, config, model_kwargs: d
     if isinstance(mask, torch.Tensor):
         if mask.dim() != 2:
             return "a custom (not 2D) attention mask needs HF's own loop"
-        reason = _engine_mask_reason(mask, _has_windows(model), _takes_positions(model))
+        span = None
+        if isinstance(inputs, torch.Tensor) and inputs.dim() == 2:
+            new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - inputs.shape[1]
+            span = inputs.shape[1] + max(new, 0)
+        reason = _engine_mask_reason(mask, _window_bites(model, span), _takes_positions(model))
         if reason is not None:
             return reason
     if "position_ids" in model_kwargs and _default_positions(model, inputs, model_kwargs["position_ids"], mask):

@@ -47,8 +47,9 @@ class GenerateRun:
         self.want_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         pad = generation_config._pad_token_tensor
         eos = generation_config._eos_token_tensor
-        self.eos = [] if eos is None else [int(t) for t in eos.reshape(-1).tolist()]
-        self.pad = int(pad) if pad is not None else (self.eos[0] if self.eos else 0)
+        eos = [] if eos is None else [int(t) for t in eos.reshape(-1).tolist()]
+        self.pad = int(pad) if pad is not None else (eos[0] if eos else 0)
+        self.eos = [t for t in eos if t >= 0]  # HF takes -1 for "no EOS": it matches no token
         self.max_new_tokens = max(1, generation_config.max_length - input_ids.shape[1])
         self.scores: list[list[torch.Tensor]] = [[] for _ in self.rows]
         self.raw_logits: list[list[torch.Tensor]] = [[] for _ in self.rows]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -79,9 +80,20 @@ class Request:
     # HF's right padding: the first output is sampled from the logits of this (token id, position), a query that
     # attends to the whole prompt and whose own K/V are never stored; outputs then continue from its position + 1
     first_query: tuple[int, int] | None = None
+    # token type ids (HF's `token_type_ids`): one per prompt token, and the one every output token takes (HF repeats
+    # the input's last column); None: the model is called without them
+    token_types: tuple[list[int], int] | None = None
+    kv_salt: str | None = None  # set from the above: K/V are shared only between requests with equal inputs
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        extra = []
+        if self.position_shift:
+            extra.append(f"positions{self.position_shift:+d}")
+        if self.token_types is not None:
+            extra.append("types" + hashlib.blake2b(repr(self.token_types).encode(), digest_size=16).hexdigest())
+        if extra:
+            self.kv_salt = "\x00".join([self.params.cache_salt or "", *extra])
 
     def __repr__(self) -> str:
         return (f"Request({self.group.request_id!r}, sample={self.sample_index}, status={self.status.value}, "
@@ -105,11 +117,8 @@ class Request:
 
     @property
     def cache_salt(self) -> str | None:
-        """Blocks are shared only between requests whose tokens sit at the same positions."""
-        shift = self.position_shift
-        if not shift:
-            return self.params.cache_salt
-        return f"{self.params.cache_salt or ''}\x00positions{shift:+d}"
+        """Blocks are shared only between requests whose tokens sit at the same positions with the same types."""
+        return self.params.cache_salt if self.kv_salt is None else self.kv_salt
 
     @property
     def position_shift(self) -> int:
@@ -122,6 +131,11 @@ class Request:
     def needs_first_query(self) -> bool:
         """The step that completes the prompt samples from `first_query`, not from the last prompt token."""
         return self.first_query is not None and not self.output_token_ids
+
+    def types(self, start: int, end: int) -> list[int]:
+        """Token type ids of tokens start..end-1 (requests with `token_types` only)."""
+        prompt, output = self.token_types
+        return prompt[start:end] + [output] * (end - max(start, len(prompt)))
 
     def positions(self, start: int, end: int) -> range | list[int]:
         """Position ids of tokens start..end-1: prompt tokens at their index, outputs shifted by `position_shift`."""

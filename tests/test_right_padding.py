@@ -132,3 +132,43 @@ def test_eos_token_id_minus_one_means_none(engine_runs):
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=-1)
     out = paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=-1)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_token_type_ids_run_on_the_engine(side, engine_runs):
+    """GPT-2 adds a token-type embedding: the engine hands each token its type (new tokens take the last column's,
+    as HF does), also for samples forked from one prompt."""
+    model = model_for("gpt2")
+    ids, mask = batch((3, 8, 5), seed=29, side=side)
+    types = torch.randint(0, 3, ids.shape, generator=torch.Generator().manual_seed(0))
+    kwargs = dict(attention_mask=mask, token_type_ids=types, max_new_tokens=8, do_sample=True, top_k=20,
+                  num_return_sequences=2)
+    torch.manual_seed(5)
+    ref = model.generate(ids, **kwargs)
+    torch.manual_seed(5)
+    without = model.generate(ids, **{**kwargs, "token_type_ids": None})
+    assert not torch.equal(ref, without), "the types changed nothing: the test would show nothing"
+    torch.manual_seed(5)
+    assert torch.equal(paged(model, engine_runs, ids, **kwargs), ref)
+
+
+def test_token_types_keep_prefix_blocks_apart():
+    """Equal tokens with other types have other K/V: the prefix cache must not hand one request's blocks to the
+    other."""
+    model = model_for("gpt2")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = batch((9,), seed=30)[0][0].tolist()
+    engine = Engine(model, block_size=4, num_blocks=64, enable_prefix_caching=True)
+    for types in ([0] * 9, [1] * 9):
+        engine.add_request(prompt, params, token_types=(types, types[-1]))
+    while engine.has_unfinished:
+        engine.step()
+    second = engine.add_request(prompt, params, token_types=([2] * 9, 2)).samples[0]
+    while engine.has_unfinished:
+        engine.step()
+    alone = Engine(model, block_size=4, num_blocks=64)
+    reference = alone.add_request(prompt, params, token_types=([2] * 9, 2)).samples[0]
+    while alone.has_unfinished:
+        alone.step()
+    assert second.output_token_ids == reference.output_token_ids
+    assert engine.stats()["prefix_cache_hit_tokens"] == 0

@@ -194,8 +194,8 @@ class DecodeGraphRunner:
         the tables, graphs not off."""
         if not batch.requests or len(batch.requests) > self.buckets[-1] or any(n != 1 for n in batch.num_new_tokens):
             return False
-        if any(request.needs_first_query for request in batch.requests):  # its extra query row runs eagerly
-            return False
+        if any(request.needs_first_query or request.token_types is not None for request in batch.requests):
+            return False  # an extra query row, or token type ids: eager steps
         limit = self.settings.max_blocks * self.runner.block_size
         if any(request.num_computed_tokens >= limit for request in batch.requests) or not self._scales_fixed():
             return False

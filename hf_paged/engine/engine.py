@@ -99,7 +99,8 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, index: int = 0,
                     controller: Any = None, prompt_text: str | None = None,
-                    fork_of: Request | None = None, first_query: tuple[int, int] | None = None) -> RequestGroup:
+                    fork_of: Request | None = None, first_query: tuple[int, int] | None = None,
+                    token_types: tuple[list[int], int] | None = None) -> RequestGroup:
         """Validate and queue one prompt as a group of `params.n` samples. Returns the group.
 
         Samples after the first (and, with `fork_of`, a queued request with the same prompt, the first too) are not
@@ -107,25 +108,29 @@ class Engine:
         first-token logits, so the prompt is computed once and all samples stay in step.
 
         `first_query` (token id, position): the first output is sampled from this query-only token instead of the
-        last prompt token, and outputs continue at its position + 1 (how HF generates after right padding)."""
+        last prompt token, and outputs continue at its position + 1 (how HF generates after right padding).
+        `token_types` (one per prompt token, the one of every output): passed to the model as `token_type_ids`; every
+        request of an engine has them or none does."""
         params = params or SamplingParams()
         token_ids = self.tokenize(prompt, index)
         self.check_request(index, token_ids, params)
         if first_query is not None:
             self.check_request(index, [first_query[0]], params)
+        if token_types is not None and len(token_types[0]) != len(token_ids):
+            raise ValueError(f"request {index}: {len(token_types[0])} token types for {len(token_ids)} tokens")
         with self.lock:
             return self._add(token_ids, params, request_id, priority, index, controller,
-                             prompt if isinstance(prompt, str) else prompt_text, fork_of, first_query)
+                             prompt if isinstance(prompt, str) else prompt_text, fork_of, first_query, token_types)
 
     def _add(self, token_ids, params, request_id, priority, index, controller, text, fork_of,
-             first_query) -> RequestGroup:
+             first_query, token_types) -> RequestGroup:
         request_id = self._new_id() if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request {index}: request_id {request_id!r} is already in use")
         group = RequestGroup(request_id, index, text, token_ids)
         for sample in range(params.n):
             request = Request(group, token_ids, params, self.eos_token_ids, next(self._arrivals), priority, sample,
-                              controller, first_query=first_query)
+                              controller, first_query=first_query, token_types=token_types)
             if params.seed is not None:
                 request.generator = torch.Generator(self.spec.kv.device).manual_seed(params.seed + sample)
             if params.logprobs is not None:

@@ -20,6 +20,7 @@ from .sample_step import sample_step
 class StepInputs:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
+    token_type_ids: torch.Tensor | None  # [1, T] when the requests carry token types
     metadata: AttentionMetadata
     sample_rows: torch.Tensor  # packed row of each sampled request's last token
     sampled: list[int]  # index into the batch of each request that samples this step
@@ -65,10 +66,13 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, context_lens, tables, sample_rows, sampled = [], [], [], [], []
+        types: list[int] | None = [] if batch.requests[0].token_types is not None else None
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             end = start + n
             input_ids.extend(request.all_token_ids[start:end])
+            if types is not None:
+                types.extend(request.types(start, end))
             positions.extend(request.positions(start, end))
             table = request.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -79,6 +83,8 @@ class ModelRunner:
                 if request.needs_first_query:  # one more sequence: a query over the whole prompt, storing nothing
                     token, position = request.first_query
                     input_ids.append(token)
+                    if types is not None:
+                        types.append(request.token_types[1])
                     positions.append(position)
                     slots.append(NULL_BLOCK * bs)
                     query_lens.append(1)
@@ -91,6 +97,7 @@ class ModelRunner:
         return StepInputs(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+            token_type_ids=None if types is None else torch.tensor([types], dtype=torch.long, device=device),
             metadata=metadata,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
             sampled=sampled,
@@ -101,16 +108,19 @@ class ModelRunner:
         """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows)."""
         if isinstance(inputs, PaddedDecode):
             return self.graphs.run(inputs)
-        return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows)
+        return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows,
+                            inputs.token_type_ids)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
-                sample_rows: torch.Tensor | None) -> torch.Tensor:
+                sample_rows: torch.Tensor | None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
         decode graphs (captured or not) both run exactly this."""
         context = PagedForwardContext(metadata, self.kv_cache, self.backends)
         kwargs = {}
         if sample_rows is not None and self.spec.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = sample_rows
+        if token_type_ids is not None:
+            kwargs["token_type_ids"] = token_type_ids
         with forward_lock(self.model), paged_attention_active(self.spec.configs), \
                 self.linears.active(input_ids.shape[1]):
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,

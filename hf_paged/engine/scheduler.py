@@ -55,7 +55,8 @@ class Scheduler:
         """Queue a request. With `fork_of` (a queued request with the same prompt and no output yet) it is not
         scheduled on its own: it starts from that request's computed prompt, sharing its blocks and first logits."""
         if fork_of is not None and not fork_of.is_finished and fork_of.num_output_tokens == 0 \
-                and fork_of.prompt_token_ids == request.prompt_token_ids and fork_of.first_query == request.first_query:
+                and fork_of.prompt_token_ids == request.prompt_token_ids and fork_of.cache_salt == request.cache_salt \
+                and fork_of.first_query == request.first_query:
             fork_of.forks.append(request)
         else:
             self.waiting.append(request)

@@ -116,6 +116,18 @@ def _default_positions(model, inputs, position_ids, mask) -> bool:
     return bool((position_ids.to(expected.device) == expected).all())
 
 
+def _token_types_reason(model, token_types, inputs) -> str | None:
+    """The engine hands token type ids to the model with the tokens (packed like them). Models that read them as
+    more than an embedding (gemma3's mark image tokens, which change the attention mask) run in HF's loop."""
+    if not isinstance(token_types, torch.Tensor) or not isinstance(inputs, torch.Tensor) \
+            or token_types.shape != inputs.shape or token_types.is_floating_point():
+        return "token_type_ids not shaped like input_ids need HF's own loop"
+    if model.config.get_text_config(decoder=True).model_type.startswith("gemma3") or \
+            getattr(model.config, "vision_config", None) is not None:
+        return f"token_type_ids of model type {model.config.model_type!r} need HF's own loop"
+    return None
+
+
 def _inferred_mask(inputs, config) -> torch.Tensor | None:
     """The mask HF builds when none is passed: padding where the input holds the pad token (unless it is also EOS)."""
     pad, eos = config.pad_token_id, config.eos_token_id
@@ -160,7 +172,13 @@ def _hf_loop_reason(model, arguments: dict, extra: dict, config, model_kwargs: d
             return reason
     if "position_ids" in model_kwargs and _default_positions(model, inputs, model_kwargs["position_ids"], mask):
         model_kwargs.pop("position_ids")
-    odd = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _ENGINE_MODEL_KWARGS)
+    known = _ENGINE_MODEL_KWARGS
+    if model_kwargs.get("token_type_ids") is not None:
+        reason = _token_types_reason(model, model_kwargs["token_type_ids"], inputs)
+        if reason is not None:
+            return reason
+        known = known | {"token_type_ids"}
+    odd = sorted(k for k, v in model_kwargs.items() if v is not None and k not in known)
     if odd:
         return f"model inputs {odd} need HF's own loop"
     if not isinstance(inputs, torch.Tensor) or inputs.dim() not in (1, 2) or inputs.is_floating_point():
@@ -227,7 +245,8 @@ def _paged_decoding_loop(model, input_ids, logits_processor, stopping_criteria, 
     """Decoding method handed to HF's generate via `custom_generate` (runs after HF's preparation)."""
     call = hf_paged_call or {}
     run = GenerateRun(model, input_ids, model_kwargs.get("attention_mask"), generation_config, logits_processor,
-                      stopping_criteria, call.get("streamer"), model_kwargs.get("position_ids"))
+                      stopping_criteria, call.get("streamer"), model_kwargs.get("position_ids"),
+                      model_kwargs.get("token_type_ids"))
     engine = Engine(model, None, run.engine_config(call.get("cache_config")))
     run.run(engine)
     return run.result()

@@ -28,7 +28,8 @@ class GenerateRun:
     """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
-                 logits_processor, stopping_criteria, streamer, position_ids: torch.Tensor | None = None):
+                 logits_processor, stopping_criteria, streamer, position_ids: torch.Tensor | None = None,
+                 token_type_ids: torch.Tensor | None = None):
         self.model = model
         self.input_ids = input_ids
         self.mask = attention_mask
@@ -38,6 +39,11 @@ class GenerateRun:
         self.prompts = [[t for t, m in zip(row, mask[b]) if m] if mask is not None else list(row)
                         for b, row in enumerate(self.rows)]
         self.first_queries = self._first_queries(mask, position_ids)
+        # token types of each row's real tokens, and the one HF gives every new token (its last column's)
+        types = token_type_ids.tolist() if token_type_ids is not None else None
+        self.token_types = [None if types is None else
+                            ([t for t, m in zip(types[b], mask[b]) if m] if mask is not None else types[b], types[b][-1])
+                            for b in range(len(self.rows))]
         self.config = generation_config
         self.logits_processor = logits_processor
         self.stopping_criteria = stopping_criteria
@@ -201,14 +207,15 @@ class GenerateRun:
             engine.scheduler.release_hooks.append(self.snapshots.keep)
         params = self.sampling_params()
         controller = None if self.native else self
-        keys = list(zip(map(tuple, self.prompts), self.first_queries))
+        keys = [(tuple(p), q, repr(t)) for p, q, t in zip(self.prompts, self.first_queries, self.token_types)]
         for b, prompt in enumerate(self.prompts):
             # num_return_sequences copies of a row fork from its first copy: the prompt is computed once
             first = self.requests[-1] if b and keys[b] == keys[b - 1] else None
             while first is not None and first.index > 0 and keys[first.index - 1] == keys[b]:
                 first = self.requests[first.index - 1]
             self.requests += engine.add_request(prompt, params, index=b, controller=controller, fork_of=first,
-                                                first_query=self.first_queries[b]).samples
+                                                first_query=self.first_queries[b],
+                                                token_types=self.token_types[b]).samples
         while engine.has_unfinished and self.error is None:
             engine.step()
             self.stream_ready()

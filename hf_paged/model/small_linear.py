@@ -3,7 +3,9 @@
 A decode step multiplies a handful of rows by every weight matrix of the model, so its time is the time to stream
 the weights from memory. On CPU, MKL's sgemm streams a [out, in] weight about 1.3-1.6x faster when the weight is the
 left operand (W @ x^T: many output rows, few columns) than in `F.linear`'s x @ W^T layout for M <= 32 rows (measured
-in benchmarks/throughput.py's 16-request decode steps: 36-44 ms -> 28-33 ms per step). The product is the same
+in benchmarks/throughput.py's 16-request decode steps on a 2-vCPU Xeon: 36-44 ms -> 28-33 ms per step). On a 2-vCPU
+EPYC it still wins at 64 rows (LM head [32000, 512]: 21 vs 28 ms; [1376, 512]: 0.76 vs 0.92 ms; 64-request decode
+steps 97-109 -> 73-78 ms) and loses from about 96 rows on, hence MAX_ROWS = 64. The product is the same
 mathematically; only the order of the floating-point sums differs (like any other kernel choice).
 
 `SmallBatchLinears.active(num_rows)` swaps the `forward` of each plain `torch.nn.Linear` of the model (exact type:
@@ -17,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-MAX_ROWS = 32  # above this the usual layout is as fast or faster
+MAX_ROWS = 64  # above this the usual layout is as fast or faster
 CHUNK = 4096  # output rows per product: keeps each piece of a large (LM head) weight streaming through the cache
 
 

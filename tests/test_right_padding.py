@@ -172,3 +172,41 @@ def test_token_types_keep_prefix_blocks_apart():
         alone.step()
     assert second.output_token_ids == reference.output_token_ids
     assert engine.stats()["prefix_cache_hit_tokens"] == 0
+
+
+def _run(engine: Engine, specs, params) -> list[list[int]]:
+    requests = [engine.add_request(prompt, params, first_query=query, token_types=types).samples[0]
+                for prompt, query, types in specs]
+    while engine.has_unfinished:
+        engine.step()
+    engine.check_idle()
+    return [r.output_token_ids for r in requests]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("typed", [False, True], ids=["untyped", "typed"])
+def test_queries_and_types_under_pressure(mode, typed):
+    """Requests with and without a first query (any position), with shared prefixes, token types or not, through a
+    pool so small that they are chunked, preempted and swapped or recomputed (some before their first token): each
+    gets exactly the tokens it gets alone, and the pool ends empty."""
+    import random
+
+    model = model_for("gpt2")
+    rng = random.Random(7 + typed)
+    shared = [rng.randrange(3, 256) for _ in range(16)]
+    specs = []
+    for _ in range(10):
+        n = rng.randint(1, 16)
+        prompt = shared[:n] if rng.random() < 0.5 else [rng.randrange(3, 256) for _ in range(n)]
+        query = (rng.randrange(0, 256), rng.randrange(0, n + 1)) if rng.random() < 0.6 else None
+        types = None
+        if typed:
+            row = [rng.choice([0, 0, 1]) for _ in range(n)]
+            types = (row, rng.choice([0, 1]))
+        specs.append((prompt, query, types))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    tight = Engine(model, block_size=4, num_blocks=12, max_num_batched_tokens=16, preemption_mode=mode,
+                   swap_space=1 << 20, enable_prefix_caching=True)
+    got = _run(tight, specs, params)
+    assert tight.stats()["num_preemptions"] > 0
+    assert got == [_run(Engine(model, block_size=4, num_blocks=64), [spec], params)[0] for spec in specs]

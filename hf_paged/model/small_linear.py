@@ -31,11 +31,12 @@ def _small_batch_forward(module: torch.nn.Linear):
         if rows.shape[0] > MAX_ROWS:
             return torch.nn.functional.linear(x, weight, bias)
         columns = rows.t()
-        if weight.shape[0] > CHUNK:
-            out = torch.cat([torch.mm(weight[i:i + CHUNK], columns) for i in range(0, weight.shape[0], CHUNK)])
+        if weight.shape[0] > CHUNK:  # each piece lands transposed in place: one pass over the output
+            out = rows.new_empty(rows.shape[0], weight.shape[0])
+            for i in range(0, weight.shape[0], CHUNK):
+                out[:, i:i + CHUNK] = torch.mm(weight[i:i + CHUNK], columns).t()
         else:
-            out = torch.mm(weight, columns)
-        out = out.t().contiguous()
+            out = torch.mm(weight, columns).t().contiguous()
         if bias is not None:
             out += bias
         return out.view(*x.shape[:-1], weight.shape[0])

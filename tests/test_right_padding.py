@@ -11,7 +11,7 @@ from hf_paged import SamplingParams
 from hf_paged.engine import Engine
 from hf_paged.tiny import tiny_model
 
-from takeover_helpers import PAD, batch, model_for, paged
+from takeover_helpers import PAD, batch, model_for, on_engine, paged
 
 
 def lower_triangular_mask(ids: torch.Tensor) -> torch.Tensor:
@@ -210,3 +210,80 @@ def test_queries_and_types_under_pressure(mode, typed):
     got = _run(tight, specs, params)
     assert tight.stats()["num_preemptions"] > 0
     assert got == [_run(Engine(model, block_size=4, num_blocks=64), [spec], params)[0] for spec in specs]
+
+
+# ---- what a review found: calls the engine must not take, and the cache after an early EOS ---------------------------
+def _tiny(config_class, model_class, **sizes):
+    torch.manual_seed(0)
+    config = config_class(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2, **sizes)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    return _tiny(OPTConfig, OPTForCausalLM, hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4,
+                 max_position_embeddings=512, word_embed_proj_dim=64)
+
+
+def _gpt_neo():
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    return _tiny(GPTNeoConfig, GPTNeoForCausalLM, hidden_size=64, num_layers=2, num_heads=4, window_size=4,
+                 attention_types=[[["global", "local"], 1]], max_position_embeddings=256)
+
+
+def _ctrl():
+    from transformers import CTRLConfig, CTRLLMHeadModel
+
+    return _tiny(CTRLConfig, CTRLLMHeadModel, n_embd=64, n_layer=2, n_head=4, dff=128)
+
+
+@pytest.mark.parametrize("make, what", [
+    (_opt, "right"),  # a learned position-embedding module: the engine feeds it sequence indices, not HF's positions
+    (_gpt_neo, "right"),  # a local window (config.window_size) that HF counts over the padding columns
+    (_ctrl, "types"),  # ctrl's own generate step drops token_type_ids: HF never feeds them to the model
+], ids=["opt-right-padding", "gpt_neo-local-window", "ctrl-token-types"])
+def test_calls_the_engine_cannot_reproduce_run_in_hf_loop(make, what, engine_runs):
+    model = make()
+    ids, mask = batch((7, 3), seed=31, side="right" if what == "right" else "left")
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    if what == "types":
+        kwargs["token_type_ids"] = torch.zeros_like(ids)
+    ref = model.generate(ids, **kwargs)
+    with on_engine(engine_runs, model, expected=0):
+        out = model.generate(ids, cache_implementation="paged", **kwargs)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_continuing_from_the_cache_after_an_early_eos(side, engine_runs):
+    """HF's returned cache holds the K/V of the pads a finished row was fed; a continuation whose mask marks them
+    real attends to them. The engine keeps finished rows running on pads when the cache is returned."""
+    model = model_for()
+    ids, mask = batch((1, 5, 3), seed=1, side=side)
+    eos = int(model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)[2, ids.shape[1] + 1])
+    kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, eos_token_id=eos)
+    ref = model.generate(ids, attention_mask=mask, **kwargs)
+    out = paged(model, engine_runs, ids, attention_mask=mask, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences) and (ref.sequences[:, -1] == PAD).any()
+    longer = torch.cat([mask, torch.ones(3, ref.sequences.shape[1] - ids.shape[1], dtype=torch.long)], 1)
+    again = dict(attention_mask=longer, max_new_tokens=5, do_sample=False)
+    assert torch.equal(model.generate(out.sequences, cache=out.cache, **again),
+                       model.generate(ref.sequences, cache=ref.cache, **again))
+
+
+def test_an_engine_takes_token_types_from_every_request_or_none():
+    model = model_for("gpt2")
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    engine = Engine(model, block_size=4, num_blocks=16)
+    engine.add_request([5, 6, 7], params)
+    with pytest.raises(ValueError, match="request 1: has token types"):
+        engine.add_request([5, 6, 7], params, index=1, token_types=([0, 0, 0], 0))
+    typed = Engine(model, block_size=4, num_blocks=16)
+    typed.add_request([5, 6, 7], params, token_types=([0, 1, 0], 1))
+    with pytest.raises(ValueError, match="request 2: lacks token types"):
+        typed.add_request([5, 6, 7], params, index=2)

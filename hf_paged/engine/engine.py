@@ -75,6 +75,7 @@ class Engine:
         self.groups: dict[str, RequestGroup] = {}  # unfinished (or not yet collected) prompts by request id
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self._typed: bool | None = None  # whether this engine's requests carry token types (set by the first)
         self.lock = threading.RLock()  # add_request / abort / step from several threads run one at a time
 
     # ---- input ---------------------------------------------------------------------------------
@@ -118,7 +119,12 @@ class Engine:
             self.check_request(index, [first_query[0]], params)
         if token_types is not None and len(token_types[0]) != len(token_ids):
             raise ValueError(f"request {index}: {len(token_types[0])} token types for {len(token_ids)} tokens")
+        typed = token_types is not None
+        if self._typed is not None and typed != self._typed:  # one packed forward feeds types to all rows or none
+            raise ValueError(f"request {index}: {'has' if typed else 'lacks'} token types, unlike the earlier "
+                             f"requests of this engine: give them to every request of an engine or to none")
         with self.lock:
+            self._typed = typed
             return self._add(token_ids, params, request_id, priority, index, controller,
                              prompt if isinstance(prompt, str) else prompt_text, fork_of, first_query, token_types)
 

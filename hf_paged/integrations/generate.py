@@ -18,7 +18,7 @@ from ..engine import Engine
 from ..engine.intake import check_model_len
 from .generate_run import GenerateRun
 from .paged_cache import PagedCache
-from ..model import describe_model
+from ..model import describe_model, position_takers
 
 PAGED = "paged"
 # model kwargs the engine understands; anything else (images, inputs_embeds, the caller's own position_ids, ...)
@@ -82,25 +82,32 @@ def _engine_mask_reason(mask: torch.Tensor, windowed: bool, takes_positions: boo
     if windowed and not bool((mask[:, 1:] >= mask[:, :-1]).all()):
         return "padding after or between real tokens, with sliding-window layers"
     if not takes_positions and not bool((mask[:, -1] != 0).all()):
-        return "a row ends with padding (right padding) and the model takes no position_ids"
+        return "a row ends with padding (right padding) and the engine cannot give this model HF's positions for it"
     return None
+
+
+# config attributes that size a window the engine applies (gpt_neo's local layers: window_size)
+_WINDOW_SIZES = ("sliding_window", "attention_chunk_size", "window_size")
 
 
 def _window_bites(model, span: int | None) -> bool:
     """Whether a sliding window or attention chunk may hide a key within `span` columns (the call's input width plus
     its new tokens; None: unknown). A window at least that long masks nothing, in HF's loop or on the engine."""
     text = model.config.get_text_config(decoder=True)
-    sizes = [size for size in (getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None))
-             if size]
-    kinds = set(getattr(text, "layer_types", None) or []) & {"sliding_attention", "chunked_attention"}
+    sizes = [size for size in (getattr(text, name, None) for name in _WINDOW_SIZES) if isinstance(size, int) and size]
+    kinds = {kind for name in ("layer_types", "attention_layers") for kind in (getattr(text, name, None) or [])
+             if isinstance(kind, str)} & {"sliding_attention", "chunked_attention", "local"}
     if not sizes:
         return bool(kinds)  # windowed layers of a size we cannot read
     return span is None or min(sizes) <= span
 
 
 def _takes_positions(model) -> bool:
-    """Whether HF's generate hands this model position ids (its own loop does so exactly then)."""
-    return "position_ids" in inspect.signature(model.forward).parameters and not model.config.is_encoder_decoder
+    """Whether HF's generate hands this model position ids (its own loop does so exactly then) and the engine can
+    hand it any: models with a learned position-embedding module (opt, xglm, biogpt) get each token's index in its
+    sequence from the engine (`model.position_takers`), which a right-padded row's shifted positions are not."""
+    return "position_ids" in inspect.signature(model.forward).parameters and not model.config.is_encoder_decoder \
+        and not position_takers(model)
 
 
 def _default_positions(model, inputs, position_ids, mask) -> bool:
@@ -125,6 +132,12 @@ def _token_types_reason(model, token_types, inputs) -> str | None:
     if model.config.get_text_config(decoder=True).model_type.startswith("gemma3") or \
             getattr(model.config, "vision_config", None) is not None:
         return f"token_type_ids of model type {model.config.model_type!r} need HF's own loop"
+    try:  # HF's own loop feeds the model what prepare_inputs_for_generation returns: ctrl's drops the types
+        prepared = model.prepare_inputs_for_generation(inputs, token_type_ids=token_types, use_cache=True)
+    except Exception:  # noqa: BLE001 - whatever it needs, HF's own loop gives it
+        prepared = {}
+    if prepared.get("token_type_ids") is None:
+        return "token_type_ids that the model's own generate step drops need HF's own loop"
     return None
 
 

@@ -61,8 +61,9 @@ class GenerateRun:
         self.raw_logits: list[list[torch.Tensor]] = [[] for _ in self.rows]
         self.pads_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
         # rows end when they stop, unless HF keeps computing them: without an EOS criterion (no padding), or when
-        # scores / logits are returned (HF returns those of finished rows too, computed from their pads)
-        self.finish_at_stop = self.pads_finished and not (self.want_scores or self.want_logits)
+        # scores / logits or the cache are returned (HF returns those of finished rows too, computed from their pads)
+        returns_cache = bool(generation_config.return_dict_in_generate and generation_config.use_cache is not False)
+        self.finish_at_stop = self.pads_finished and not (self.want_scores or self.want_logits or returns_cache)
         self.stopped: dict[int, int] = {}  # row -> output count when it first stopped (no-EOS mode)
         self.length: int | None = None
         self.error: Exception | None = None
@@ -86,9 +87,10 @@ class GenerateRun:
 
     @property
     def native(self) -> bool:
-        """True when the engine's own greedy sampler gives HF's result (no processors, only length / EOS stops)."""
+        """True when the engine's own greedy sampler gives HF's result (no processors, only length / EOS stops, rows
+        that end at their EOS)."""
         return (not self.do_sample and len(self.logits_processor) == 0 and not self.want_scores
-                and not self.want_logits
+                and not self.want_logits and (self.finish_at_stop or not self.pads_finished)
                 and all(type(c).__name__ in _NATIVE_CRITERIA for c in self.stopping_criteria))
 
     def sampling_params(self) -> SamplingParams:

@@ -35,6 +35,19 @@ def pages_of(cache, page_ids, length):
     return cache[page_ids.long()].reshape(-1, *cache.shape[2:])[:length]
 
 
+def paged_sequences(q, k_cache, v_cache, cu_q, lengths, table, scale, causal, window_size, softcap):
+    """Each sequence b (queries cu_q[b]:cu_q[b + 1], `lengths[b]` keys in the pages `table[b]` lists) by
+    `library_attention`."""
+    page = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for b, length in enumerate(lengths):
+        ids = table[b, :-(-length // page)]
+        out[cu_q[b]:cu_q[b + 1]] = library_attention(q[cu_q[b]:cu_q[b + 1]], pages_of(k_cache, ids, length),
+                                                     pages_of(v_cache, ids, length), scale, causal, window_size[0],
+                                                     window_size[1], softcap)
+    return out
+
+
 def check_half(t, name):
     assert t.dtype in (torch.float16, torch.bfloat16), f"{name} dtype {t.dtype}"
     assert t.stride(-1) == 1, f"{name} needs a contiguous last dim"
@@ -69,15 +82,8 @@ def fake_fa3(calls):
         for name in ("cache_seqlens", "page_table", "cu_seqlens_q"):
             check_int32(calls[-1][name], name)
         assert q.is_contiguous() and q.dim() == 3 and max_seqlen_q is not None
-        page = k_cache.shape[1]
-        out = torch.empty_like(q)
-        cu = cu_seqlens_q.tolist()
-        for b, length in enumerate(cache_seqlens.tolist()):
-            ids = page_table[b, :-(-length // page)]
-            out[cu[b]:cu[b + 1]] = library_attention(q[cu[b]:cu[b + 1]], pages_of(k_cache, ids, length),
-                                                     pages_of(v_cache, ids, length), softmax_scale, causal,
-                                                     window_size[0], window_size[1], softcap)
-        return out
+        return paged_sequences(q, k_cache, v_cache, cu_seqlens_q.tolist(), cache_seqlens.tolist(), page_table,
+                               softmax_scale, causal, window_size, softcap)
 
     module.flash_attn_with_kvcache = flash_attn_with_kvcache
     return module
@@ -97,17 +103,11 @@ def fake_fa2(calls, version="2.7.4"):
         check_half(q, "q")
         for name in ("cu_seqlens_q", "cu_seqlens_k", "block_table"):
             check_int32(calls[-1][name], name)
-        page = k.shape[1]
-        assert page % 256 == 0, "Paged KV cache block size must be divisible by 256"  # FA2's own check
-        out = torch.empty_like(q)
-        cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for b in range(len(cu_q) - 1):
-            length = cu_k[b + 1] - cu_k[b]
-            ids = block_table[b, :-(-length // page)]
-            out[cu_q[b]:cu_q[b + 1]] = library_attention(q[cu_q[b]:cu_q[b + 1]], pages_of(k, ids, length),
-                                                         pages_of(v, ids, length), softmax_scale, causal,
-                                                         window_size[0], window_size[1], softcap)
-        return out
+        assert k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256"  # FA2's own check
+        cu_k = cu_seqlens_k.tolist()
+        lengths = [cu_k[b + 1] - cu_k[b] for b in range(len(cu_k) - 1)]
+        return paged_sequences(q, k, v, cu_seqlens_q.tolist(), lengths, block_table, softmax_scale, causal,
+                               window_size, softcap)
 
     module.flash_attn_varlen_func = flash_attn_varlen_func
     return module

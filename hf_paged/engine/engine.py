@@ -120,10 +120,10 @@ class Engine:
         if token_types is not None and len(token_types[0]) != len(token_ids):
             raise ValueError(f"request {index}: {len(token_types[0])} token types for {len(token_ids)} tokens")
         typed = token_types is not None
-        if self._typed is not None and typed != self._typed:  # one packed forward feeds types to all rows or none
-            raise ValueError(f"request {index}: {'has' if typed else 'lacks'} token types, unlike the earlier "
-                             f"requests of this engine: give them to every request of an engine or to none")
-        with self.lock:
+        with self.lock:  # checked and set together: concurrent callers cannot both pass with different answers
+            if self._typed is not None and typed != self._typed:  # one packed forward feeds types to all or none
+                raise ValueError(f"request {index}: {'has' if typed else 'lacks'} token types, unlike the earlier "
+                                 f"requests of this engine: give them to every request of an engine or to none")
             self._typed = typed
             return self._add(token_ids, params, request_id, priority, index, controller,
                              prompt if isinstance(prompt, str) else prompt_text, fork_of, first_query, token_types)

@@ -55,3 +55,23 @@ def test_throughput_plot(tmp_path):
                           for n in (4, 8)]}
     plot(tmp_path / "t.png", report)
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_throughput_rounds_keep_the_fastest_and_pair_rounds():
+    """--repeats: each system reports its fastest round; speed-ups are paired round by round; a failed round or
+    rounds that disagree on tokens are not hidden behind a fast one."""
+    from hf_paged.bench.throughput import _best_of, _paired_ratios
+
+    def run(system, seconds, tokens=((1, 2),)):
+        return {"system": system, "requests": 1, "seconds": seconds, "peak_rss_mb": seconds * 100,
+                "tokens": [list(t) for t in tokens]}
+
+    paged = _best_of("hf_paged", 1, [run("hf_paged", 3.0), run("hf_paged", 2.0), run("hf_paged", 4.0)])
+    padded = _best_of("hf_padded", 1, [run("hf_padded", 6.0), run("hf_padded", 5.0), run("hf_padded", 4.0)])
+    assert paged["seconds"] == 2.0 and paged["round_seconds"] == [3.0, 2.0, 4.0] and paged["peak_rss_mb"] == 400
+    assert _paired_ratios([paged, padded], 1, "hf_paged", "hf_padded") == [2.0, 2.5, 1.0]
+    assert _paired_ratios([paged], 1, "hf_paged", "hf_padded") is None
+    failed = {"system": "hf_paged", "requests": 1, "error": "boom"}
+    assert _best_of("hf_paged", 1, [run("hf_paged", 1.0), failed]) is failed
+    with pytest.raises(RuntimeError, match="different tokens"):
+        _best_of("hf_paged", 1, [run("hf_paged", 1.0), run("hf_paged", 2.0, tokens=((1, 3),))])

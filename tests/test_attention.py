@@ -169,6 +169,7 @@ def test_store_kv_quantizes_into_fp8_pages():
 def test_a_damaged_cached_cpu_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch):
     """A truncated .so in the cache (an interrupted copy, a full disk) would kill the process when mapped: the
     build's size + hash stamp does not match it, so it is rebuilt instead."""
+    from hf_paged import native
     from hf_paged.attention import cpu_kernel
 
     monkeypatch.setenv("HF_PAGED_CACHE_DIR", str(tmp_path))
@@ -178,11 +179,11 @@ def test_a_damaged_cached_cpu_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch
         pytest.skip(f"no C compiler: {e}")
     whole = built.read_bytes()
     built.write_bytes(whole[: len(whole) // 3])  # truncated in place
-    assert not cpu_kernel._is_complete(built)
+    assert not native.is_complete(built)
     again = cpu_kernel._build()
-    assert again == built and len(again.read_bytes()) > len(whole) // 3 and cpu_kernel._is_complete(again)
+    assert again == built and len(again.read_bytes()) > len(whole) // 3 and native.is_complete(again)
     built.with_suffix(".sha256").unlink()  # a build without its stamp (e.g. from an older version) is rebuilt too
-    assert not cpu_kernel._is_complete(built)
+    assert not native.is_complete(built)
     cpu_kernel.CpuDecodeKernel(cpu_kernel._build())  # and loads
 
 

@@ -1,9 +1,13 @@
-"""Few-row CPU linears (hf_paged/model/small_linear.py): same products as F.linear, swapped only for one forward."""
+"""Few-row CPU linears (hf_paged/model/small_linear.py): the native kernel and the W @ x^T fallback give F.linear's
+products (float64 reference), are swapped in only for one forward, and never read past a recast weight."""
+import threading
+
 import pytest
 import torch
 
 from hf_paged.model import SmallBatchLinears
-from hf_paged.model.small_linear import CHUNK, MAX_ROWS
+from hf_paged.model import small_linear
+from hf_paged.model.small_linear import CHUNK, KERNEL_MAX_ROWS, MAX_ROWS, load_small_gemm
 
 
 class Net(torch.nn.Module):
@@ -18,14 +22,30 @@ class Net(torch.nn.Module):
         return self.head(h), self.quantized(h)
 
 
-@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1])
-def test_same_products_as_f_linear(rows):
+@pytest.fixture(params=["kernel", "w_xt"])
+def product(request, monkeypatch):
+    """Both products: the native kernel (this machine has a C compiler: it must load) and W @ x^T without it."""
+    if request.param == "w_xt":
+        monkeypatch.setenv("HF_PAGED_SMALL_GEMM", "0")
+    load_small_gemm.cache_clear()
+    yield request.param
+    load_small_gemm.cache_clear()
+
+
+def test_the_kernel_builds_here():
+    load_small_gemm.cache_clear()
+    assert small_linear.small_linear_status() == "native kernel"
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
+def test_same_products_as_f_linear(rows, product):
     torch.manual_seed(0)
     net = Net()
     x = torch.randn(1, rows, 48)
     want = net(x)
     linears = SmallBatchLinears(net)
     assert {id(m) for m in linears.modules} == {id(net.proj), id(net.head)}
+    assert linears.max_rows == (KERNEL_MAX_ROWS if product == "kernel" else MAX_ROWS)
     with linears.active(rows):
         got = net(x)
     for a, b in zip(got, want):
@@ -33,7 +53,26 @@ def test_same_products_as_f_linear(rows):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_forwards_are_restored_even_on_error():
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 48, 64, 100, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (5, 7), (8, 16), (37, 33), (130, 70)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_against_float64(rows, out_features, in_features, bias):
+    """Every row count of both kernel paths (dot products up to 4 rows, 16- and 32-row tiles from 5), output
+    counts that leave short tiles, inputs not a multiple of the vector width, rows strided inside a wider tensor."""
+    kernel = load_small_gemm()
+    assert kernel is not None
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + in_features)
+    wide = torch.randn(rows, in_features + 5, generator=g)
+    x = wide[:, 2:2 + in_features]  # each row contiguous, rows in_features + 5 apart
+    weight = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    want = x.double() @ weight.double().t() + (b.double() if bias else 0)
+    got = kernel(x, weight, b)
+    bound = (x.double().abs() @ weight.double().abs().t() + (b.double().abs() if bias else 0)) * 2e-6 + 1e-7
+    assert got.shape == want.shape and bool(((got.double() - want).abs() <= bound).all())
+
+
+def test_forwards_are_restored_even_on_error(product):
     net = Net()
     linears = SmallBatchLinears(net)
     with pytest.raises(RuntimeError):
@@ -41,5 +80,44 @@ def test_forwards_are_restored_even_on_error():
             assert "forward" in vars(net.proj)  # swapped while active
             raise RuntimeError("boom")
     assert "forward" not in vars(net.proj) and "forward" not in vars(net.head)
-    with linears.active(MAX_ROWS + 1):  # more rows: nothing is swapped at all
+    with linears.active(linears.max_rows + 1):  # more rows: nothing is swapped at all
         assert "forward" not in vars(net.proj)
+
+
+@pytest.mark.parametrize("cast", ["double", "half"])
+def test_a_model_cast_after_the_engine_was_built_gets_f_linear(cast):
+    """The swapped forwards hold the modules' parameters; `model.double()` / `.half()` afterwards change their
+    dtype in place. The kernel must not read them as fp32 (a read past the end of the buffer)."""
+    load_small_gemm.cache_clear()
+    torch.manual_seed(0)
+    net = Net()
+    linears = SmallBatchLinears(net)
+    net.to(getattr(torch, cast))
+    x = torch.randn(1, 5, 48, dtype=getattr(torch, cast))
+    want = net(x)
+    with linears.active(5):
+        got = net(x)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_concurrent_calls_share_nothing():
+    """Two threads multiplying through the kernel at once (e.g. a user's own forward while an engine runs) each get
+    their own products: the kernel's scratch is per call."""
+    kernel = load_small_gemm()
+    weight = torch.randn(300, 200)
+    inputs = [torch.randn(24, 200), torch.randn(40, 200)]
+    wants = [x @ weight.t() for x in inputs]
+    failures = []
+
+    def work(x, want):
+        for _ in range(200):
+            if not torch.allclose(kernel(x, weight, None), want, rtol=1e-4, atol=1e-4):
+                failures.append(1)
+
+    threads = [threading.Thread(target=work, args=pair) for pair in zip(inputs, wants)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures

@@ -10,60 +10,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .. import native
 from .extras import LayerExtras
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math", "-shared", "-fPIC"]
 _status: dict[str, str] = {}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("HF_PAGED_CACHE_DIR") or Path.home() / ".cache" / "hf_paged")
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _is_complete(target: Path) -> bool:
-    """A cached build is loaded only when its size and hash match what the builder wrote after a complete build:
-    a truncated or damaged .so (an interrupted copy, a full disk) would crash the process when mapped."""
-    stamp = target.with_suffix(".sha256")
-    try:
-        size, digest = stamp.read_text().split()
-        return target.stat().st_size == int(size) and _digest(target) == digest
-    except (OSError, ValueError):
-        return False
-
-
 def _build() -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc / gcc) on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode_{key}.so"
-    if not _is_complete(target):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            stamp = Path(tmp) / "stamp"
-            stamp.write_text(f"{built.stat().st_size} {_digest(built)}")
-            os.replace(built, target)  # atomic: concurrent builders never see a partial file
-            os.replace(stamp, target.with_suffix(".sha256"))  # written last: the build is complete
-    return target
+    return native.build(SOURCE)
 
 
 class CpuDecodeKernel:
@@ -114,8 +75,7 @@ def load_cpu_kernel() -> CpuDecodeKernel | None:
     try:
         kernel = CpuDecodeKernel(_build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", b"") or b""
-        _status["reason"] = f"{type(e).__name__}: {e} {detail.decode(errors='replace')[:500]}".strip()
+        _status["reason"] = native.failure_reason(e)
         return None
     _status["reason"] = "loaded"
     return kernel

@@ -1,26 +1,110 @@
-"""Linear layers for few rows on CPU: y = (W x^T)^T instead of x W^T.
+"""Linear layers for decode-sized CPU steps: a native kernel (`cpu/small_gemm.c`), else y = (W x^T)^T.
 
-A decode step multiplies a handful of rows by every weight matrix of the model, so its time is the time to stream
-the weights from memory. On CPU, MKL's sgemm streams a [out, in] weight about 1.3-1.6x faster when the weight is the
-left operand (W @ x^T: many output rows, few columns) than in `F.linear`'s x @ W^T layout for M <= 32 rows (measured
-in benchmarks/throughput.py's 16-request decode steps on a 2-vCPU Xeon: 36-44 ms -> 28-33 ms per step). On a 2-vCPU
-EPYC it still wins at 64 rows (LM head [32000, 512]: 21 vs 28 ms; [1376, 512]: 0.76 vs 0.92 ms; 64-request decode
-steps 97-109 -> 73-78 ms) and loses from about 96 rows on, hence MAX_ROWS = 64. The product is the same
-mathematically; only the order of the floating-point sums differs (like any other kernel choice).
+A decode step multiplies a handful of rows by every weight matrix of the model. MKL's sgemm does such skinny
+products far below what the CPU can do: on a 2-vCPU EPYC it multiplies the LM head [32000, 512] by one row in
+7.5 ms while merely reading that weight takes 2.7 ms. So:
 
-`SmallBatchLinears.active(num_rows)` swaps the `forward` of each plain `torch.nn.Linear` of the model (exact type:
-subclasses such as quantized layers keep theirs) for the duration of one forward pass, and restores them after, even
-on error. Only fp32 CPU weights take it; elsewhere it does nothing. `HF_PAGED_SMALL_LINEARS=0` turns it off.
+- With a C compiler, fp32 products of 1 to KERNEL_MAX_ROWS (128) rows run `small_gemm_f32` (built on first use,
+  like the CPU attention kernel: hf_paged/native.py). Up to 4 rows it takes dot products straight from the rows;
+  from 5 rows on it broadcasts each weight element against 16 or 32 rows at once. Measured on that EPYC, kernel
+  vs the best MKL layout, LM head [32000, 512]: 1 row 3.3 vs 7.5 ms, 16 rows 5.0 vs 9.9 ms, 64 rows 13-14 vs
+  22 ms, 128 rows 31 vs 43 ms; [1376, 512]: 1 row 0.04 vs 0.08 ms, 16 rows 0.12-0.14 vs 0.20 ms, 64 rows 0.5 vs
+  0.6-0.8 ms; from about 256 rows on MKL is as fast or faster.
+- Without a compiler (or with `HF_PAGED_SMALL_GEMM=0`), up to MAX_ROWS (64) rows: W @ x^T, which MKL streams
+  1.3-1.6x faster than F.linear's x @ W^T for few rows (LM head on the EPYC at 64 rows: 21 vs 28 ms).
+
+Every output is the same sum as F.linear's in another order of floating-point additions (like any other kernel
+choice). `SmallBatchLinears.active(num_rows)` swaps the `forward` of each plain `torch.nn.Linear` of the model
+(exact type: subclasses such as quantized layers keep theirs) for one forward pass and restores them after, even
+on error. Only fp32 CPU weights take it; each call re-checks dtype, device and layout (a model cast or moved after
+the engine was built gets F.linear). `HF_PAGED_SMALL_LINEARS=0` turns all of it off; `small_linear_status()` says
+which product is in use.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import subprocess
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
-MAX_ROWS = 64  # above this the usual layout is as fast or faster
+from .. import native
+
+MAX_ROWS = 64  # W @ x^T: above this the usual layout is as fast or faster
+KERNEL_MAX_ROWS = 128  # the native kernel: beyond this MKL catches up
 CHUNK = 4096  # output rows per product: keeps each piece of a large (LM head) weight streaming through the cache
+SOURCE = Path(__file__).with_name("cpu") / "small_gemm.c"
+_status: dict[str, str] = {}
+
+
+class SmallGemm:
+    """`small_gemm_f32` of cpu/small_gemm.c: y = x w^T (+ bias) for fp32 CPU tensors."""
+
+    def __init__(self, path: Path):
+        fn = ctypes.CDLL(str(path)).small_gemm_f32
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64]
+        fn.restype = None
+        self.fn = fn
+
+    def __call__(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [m, k] fp32 (each row contiguous), weight [n, k] fp32 contiguous, bias [n] fp32 contiguous or None
+        -> [m, n]. The caller checks all of that (`_kernel_takes`): the kernel reads raw pointers."""
+        m, k = rows.shape
+        n = weight.shape[0]
+        out = rows.new_empty(m, n)
+        scratch = rows.new_empty(k * -(-m // 16) * 16) if m > 4 else out  # per call: no state shared by threads
+        self.fn(rows.data_ptr(), rows.stride(0), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                out.data_ptr(), scratch.data_ptr(), m, n, k)
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load_small_gemm() -> SmallGemm | None:
+    if os.environ.get("HF_PAGED_SMALL_GEMM", "1") == "0":
+        _status["reason"] = "disabled by HF_PAGED_SMALL_GEMM=0"
+        return None
+    try:
+        kernel = SmallGemm(native.build(SOURCE))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _status["reason"] = native.failure_reason(e)
+        return None
+    _status["reason"] = "loaded"
+    return kernel
+
+
+def small_linear_status() -> str:
+    """Which product few-row fp32 CPU linears use: the native kernel, or why not."""
+    if os.environ.get("HF_PAGED_SMALL_LINEARS", "1") == "0":
+        return "off (HF_PAGED_SMALL_LINEARS=0)"
+    load_small_gemm()
+    return "native kernel" if _status.get("reason") == "loaded" else f"W @ x^T ({_status.get('reason')})"
+
+
+def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Checked on every call, as the kernel reads raw pointers: a model moved or cast after the engine was built
+    (`model.half()`, `.to(...)`) takes F.linear instead of a read past the end of a smaller buffer."""
+    return (rows.dtype == weight.dtype == torch.float32 and rows.device.type == weight.device.type == "cpu"
+            and weight.is_contiguous() and weight.dim() == 2 and rows.shape[1] == weight.shape[1]
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.is_contiguous()
+                                  and bias.shape == weight.shape[:1])))
+
+
+def _kernel_forward(module: torch.nn.Linear, kernel: SmallGemm):
+    weight, bias = module.weight, module.bias
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if not 0 < rows.shape[0] <= KERNEL_MAX_ROWS or not _kernel_takes(rows, weight, bias):
+            return torch.nn.functional.linear(x, weight, bias)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    return forward
 
 
 def _small_batch_forward(module: torch.nn.Linear):
@@ -52,11 +136,14 @@ class SmallBatchLinears:
         self.modules = [m for m in model.modules() if enabled and type(m) is torch.nn.Linear
                         and type(m.weight.data) is torch.Tensor  # not a tp_plan DTensor shard
                         and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-        self.forwards = [_small_batch_forward(m) for m in self.modules]
+        kernel = load_small_gemm() if self.modules else None
+        self.max_rows = MAX_ROWS if kernel is None else KERNEL_MAX_ROWS
+        self.forwards = [_small_batch_forward(m) if kernel is None else _kernel_forward(m, kernel)
+                         for m in self.modules]
 
     @contextmanager
     def active(self, num_rows: int):
-        if num_rows > MAX_ROWS or not self.modules:
+        if num_rows > self.max_rows or not self.modules:
             yield
             return
         for module, forward in zip(self.modules, self.forwards):

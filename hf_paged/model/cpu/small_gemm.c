@@ -1,0 +1,127 @@
+/* Few-row fp32 linear layers for CPUs: y[m, n] = x[m, k] . w[n, k]^T (+ bias[n]), for m up to a few dozen rows.
+ *
+ * A decode step multiplies a handful of rows by every weight of the model. BLAS sgemm handles such skinny
+ * products far below both the memory bandwidth and the FMA throughput; this kernel streams each weight row once.
+ *
+ * x:      [m, k] rows `x_stride` floats apart, each row contiguous
+ * w:      [n, k] contiguous (torch.nn.Linear's weight)
+ * bias:   [n] or NULL
+ * y:      [m, n] contiguous
+ * packed: scratch of k * mp floats, mp = m rounded up to a multiple of 16
+ *
+ * First x is packed transposed (packed[kk * mp + i] = x[i, kk], padding rows zero), so that one 16-float vector
+ * holds 16 rows' values of one input feature. A tile then takes NB weight rows (output features) and 16 or 32
+ * rows of x: for each kk it broadcasts w[j, kk] against the vector(s) of packed row kk and accumulates NB x 16
+ * (or NB x 32) outputs in registers; the NB weight rows stay in L1 while the tile walks over the rows of x.
+ * Tiles of output features are spread over OpenMP threads (the libgomp torch loaded, one pool). Every output is
+ * summed over kk in order, in one accumulator: only the order of the floating-point sums differs from BLAS.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+
+#define NB 8 /* weight rows per tile */
+
+#define DEFINE_TILE(NAME, VECS)                                                                                      \
+    static inline void NAME(const float *restrict packed, const float *restrict w, const float *restrict bias,     \
+                            float *restrict y, int64_t m, int64_t mp, int64_t n, int64_t k, int64_t j0, int64_t nb, \
+                            int64_t row0) {                                                                          \
+        vec16 acc[NB][VECS];                                                                                         \
+        memset(acc, 0, sizeof acc);                                                                                  \
+        const float *rows[NB];                                                                                       \
+        for (int b = 0; b < NB; ++b) rows[b] = w + (j0 + (b < nb ? b : 0)) * k; /* short tile: repeat row j0 */     \
+        for (int64_t kk = 0; kk < k; ++kk) {                                                                         \
+            vec16 xv[VECS];                                                                                          \
+            for (int h = 0; h < VECS; ++h) memcpy(&xv[h], packed + kk * mp + row0 + 16 * h, sizeof(vec16));         \
+            for (int b = 0; b < NB; ++b) {                                                                           \
+                const float s = rows[b][kk];                                                                         \
+                for (int h = 0; h < VECS; ++h) acc[b][h] += s * xv[h];                                               \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int b = 0; b < nb; ++b) {                                                                               \
+            const float add = bias ? bias[j0 + b] : 0.0f;                                                            \
+            for (int h = 0; h < VECS; ++h)                                                                           \
+                for (int i = 0; i < 16; ++i) {                                                                       \
+                    const int64_t row = row0 + 16 * h + i;                                                           \
+                    if (row < m) y[row * n + j0 + b] = acc[b][h][i] + add;                                           \
+                }                                                                                                    \
+        }                                                                                                            \
+    }
+
+DEFINE_TILE(tile16, 1)
+DEFINE_TILE(tile32, 2)
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define DOT_NB 4 /* weight rows per dot tile */
+
+/* Up to 4 rows (rows = 1..4, a constant at each call site): dot products along k, 16 floats at a time, read
+ * straight from x (no packing, no wasted lanes), then one horizontal sum per output and the k % 16 tail. */
+ALWAYS_INLINE void dot_tile(const float *restrict x, int64_t x_stride, const float *restrict w,
+                            const float *restrict bias, float *restrict y, int rows, int64_t n, int64_t k, int64_t j0,
+                            int64_t nb) {
+    vec16 acc[DOT_NB][4];
+    memset(acc, 0, sizeof acc);
+    const float *wrow[DOT_NB];
+    for (int b = 0; b < DOT_NB; ++b) wrow[b] = w + (j0 + (b < nb ? b : 0)) * k;
+    int64_t kk = 0;
+    for (; kk + 16 <= k; kk += 16) {
+        vec16 xv[4];
+        for (int r = 0; r < rows; ++r) memcpy(&xv[r], x + r * x_stride + kk, sizeof(vec16));
+        for (int b = 0; b < DOT_NB; ++b) {
+            vec16 wv;
+            memcpy(&wv, wrow[b] + kk, sizeof(vec16));
+            for (int r = 0; r < rows; ++r) acc[b][r] += wv * xv[r];
+        }
+    }
+    for (int b = 0; b < nb; ++b)
+        for (int r = 0; r < rows; ++r) {
+            float sum = 0.0f;
+            for (int i = 0; i < 16; ++i) sum += acc[b][r][i];
+            for (int64_t t = kk; t < k; ++t) sum += wrow[b][t] * x[r * x_stride + t];
+            y[r * n + j0 + b] = sum + (bias ? bias[j0 + b] : 0.0f);
+        }
+}
+
+static void few_rows(const float *restrict x, int64_t x_stride, const float *restrict w, const float *restrict bias,
+                     float *restrict y, int64_t m, int64_t n, int64_t k) {
+    const int64_t tiles = (n + DOT_NB - 1) / DOT_NB;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t j0 = t * DOT_NB, nb = n - j0 < DOT_NB ? n - j0 : DOT_NB;
+        switch (m) {
+            case 1: dot_tile(x, x_stride, w, bias, y, 1, n, k, j0, nb); break;
+            case 2: dot_tile(x, x_stride, w, bias, y, 2, n, k, j0, nb); break;
+            case 3: dot_tile(x, x_stride, w, bias, y, 3, n, k, j0, nb); break;
+            case 4: dot_tile(x, x_stride, w, bias, y, 4, n, k, j0, nb); break;
+        }
+    }
+}
+
+void small_gemm_f32(const float *restrict x, int64_t x_stride, const float *restrict w, const float *restrict bias,
+                    float *restrict y, float *restrict packed, int64_t m, int64_t n, int64_t k) {
+    if (m <= 0 || n <= 0) return;
+    if (m <= 4) {
+        few_rows(x, x_stride, w, bias, y, m, n, k);
+        return;
+    }
+    const int64_t mp = (m + 15) / 16 * 16;
+    const int64_t tiles = (n + NB - 1) / NB;
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t kk = 0; kk < k; ++kk) {
+            float *restrict dst = packed + kk * mp;
+            for (int64_t i = 0; i < m; ++i) dst[i] = x[i * x_stride + kk];
+            for (int64_t i = m; i < mp; ++i) dst[i] = 0.0f;
+        }
+        /* the implicit barrier of the loop above: every tile sees all of `packed` */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; ++t) {
+            const int64_t j0 = t * NB, nb = n - j0 < NB ? n - j0 : NB;
+            int64_t row0 = 0;
+            for (; mp - row0 >= 32; row0 += 32) tile32(packed, w, bias, y, m, mp, n, k, j0, nb, row0);
+            for (; row0 < mp; row0 += 16) tile16(packed, w, bias, y, m, mp, n, k, j0, nb, row0);
+        }
+    }
+}

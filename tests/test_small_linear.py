@@ -45,12 +45,29 @@ def test_same_products_as_f_linear(rows, product):
     want = net(x)
     linears = SmallBatchLinears(net)
     assert {id(m) for m in linears.modules} == {id(net.proj), id(net.head)}
-    assert linears.max_rows == (KERNEL_MAX_ROWS if product == "kernel" else MAX_ROWS)
-    with linears.active(rows):
+    assert small_linear.small_linear_status().startswith("native" if product == "kernel" else "W @ x^T")
+    with linears.active():
         got = net(x)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.is_contiguous()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_each_call_picks_its_product_by_its_own_rows(monkeypatch):
+    """In a prefill step the layers get many rows (F.linear) while the LM head gets only the sampled rows (the
+    kernel): the choice is made per call, not per step."""
+    load_small_gemm.cache_clear()
+    net = Net()
+    linears = SmallBatchLinears(net)
+    calls = []
+    kernel = load_small_gemm()
+    monkeypatch.setattr(type(kernel), "__call__", lambda self, rows, *a: calls.append(rows.shape[0]) or
+                        torch.nn.functional.linear(rows, *a))
+    many, few = torch.randn(1, KERNEL_MAX_ROWS + 1, 48), torch.randn(1, 3, 40)
+    with linears.active():
+        h = net.proj(many)
+        out = net.head(few)
+    assert calls == [3] and h.shape == (1, KERNEL_MAX_ROWS + 1, 40) and out.shape == (1, 3, CHUNK + 100)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 48, 64, 100, KERNEL_MAX_ROWS])
@@ -76,12 +93,10 @@ def test_forwards_are_restored_even_on_error(product):
     net = Net()
     linears = SmallBatchLinears(net)
     with pytest.raises(RuntimeError):
-        with linears.active(4):
+        with linears.active():
             assert "forward" in vars(net.proj)  # swapped while active
             raise RuntimeError("boom")
     assert "forward" not in vars(net.proj) and "forward" not in vars(net.head)
-    with linears.active(linears.max_rows + 1):  # more rows: nothing is swapped at all
-        assert "forward" not in vars(net.proj)
 
 
 @pytest.mark.parametrize("cast", ["double", "half"])
@@ -95,7 +110,7 @@ def test_a_model_cast_after_the_engine_was_built_gets_f_linear(cast):
     net.to(getattr(torch, cast))
     x = torch.randn(1, 5, 48, dtype=getattr(torch, cast))
     want = net(x)
-    with linears.active(5):
+    with linears.active():
         got = net(x)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b)

@@ -122,7 +122,7 @@ class ModelRunner:
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
         with forward_lock(self.model), paged_attention_active(self.spec.configs), \
-                self.linears.active(input_ids.shape[1]):
+                self.linears.active():
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              paged_context=context, **kwargs)
         logits = out.logits[0]

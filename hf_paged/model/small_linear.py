@@ -14,7 +14,7 @@ products far below what the CPU can do: on a 2-vCPU EPYC it multiplies the LM he
   1.3-1.6x faster than F.linear's x @ W^T for few rows (LM head on the EPYC at 64 rows: 21 vs 28 ms).
 
 Every output is the same sum as F.linear's in another order of floating-point additions (like any other kernel
-choice). `SmallBatchLinears.active(num_rows)` swaps the `forward` of each plain `torch.nn.Linear` of the model
+choice). `SmallBatchLinears.active()` swaps the `forward` of each plain `torch.nn.Linear` of the model
 (exact type: subclasses such as quantized layers keep theirs) for one forward pass and restores them after, even
 on error. Only fp32 CPU weights take it; each call re-checks dtype, device and layout (a model cast or moved after
 the engine was built gets F.linear). `HF_PAGED_SMALL_LINEARS=0` turns all of it off; `small_linear_status()` says
@@ -137,13 +137,14 @@ class SmallBatchLinears:
                         and type(m.weight.data) is torch.Tensor  # not a tp_plan DTensor shard
                         and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
         kernel = load_small_gemm() if self.modules else None
-        self.max_rows = MAX_ROWS if kernel is None else KERNEL_MAX_ROWS
         self.forwards = [_small_batch_forward(m) if kernel is None else _kernel_forward(m, kernel)
                          for m in self.modules]
 
     @contextmanager
-    def active(self, num_rows: int):
-        if num_rows > self.max_rows or not self.modules:
+    def active(self):
+        """Swap the forwards in for one forward pass. Each call then picks its product by its own row count: in a
+        prefill step the layers see thousands of rows (F.linear) while the LM head sees only the sampled ones."""
+        if not self.modules:
             yield
             return
         for module, forward in zip(self.modules, self.forwards):

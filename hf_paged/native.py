@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -38,19 +40,40 @@ def is_complete(target: Path) -> bool:
         return False
 
 
+def cpu_identity() -> str:
+    """What `-march=native` compiles for: the CPU model and its instruction-set flags (Linux), else the platform's
+    names. Part of the cache key, so a cache directory shared by different machines (a network home, a baked image)
+    never hands one machine a build that uses instructions it lacks."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            fields = {}
+            for line in info:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "flags", "Features", "CPU part") and name.strip() not in fields:
+                    fields[name.strip()] = value.strip()
+                if not line.strip() and fields:
+                    break  # the first processor's entry is enough
+            if fields:
+                return repr(sorted(fields.items()))
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
 def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
-    """The shared library of `source`, compiled now unless a complete build of the same source, compiler and flags
-    is cached. Raises RuntimeError without a compiler, subprocess.CalledProcessError when compilation fails."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    """The shared library of `source`, compiled now unless a complete build of the same source, compiler, flags and
+    CPU is cached. Raises RuntimeError without a compiler, subprocess.CalledProcessError when compilation fails.
+    `CC` may carry arguments (`CC="ccache gcc"`)."""
+    compiler = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not compiler[0]:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
-    key = hashlib.sha256(source.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + " ".join([*compiler, *flags, cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}_{key}.so"
     if not is_complete(target):
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"], check=True,
+            subprocess.run([*compiler, *flags, str(source), "-o", str(built), "-lm"], check=True,
                            capture_output=True, timeout=120)
             stamp = Path(tmp) / "stamp"
             stamp.write_text(f"{built.stat().st_size} {_digest(built)}")

@@ -46,7 +46,7 @@ def test_same_products_as_f_linear(rows, product):
     linears = SmallBatchLinears(net)
     assert {id(m) for m in linears.modules} == {id(net.proj), id(net.head)}
     assert small_linear.small_linear_status().startswith("native" if product == "kernel" else "W @ x^T")
-    with linears.active():
+    with linears.active(), torch.inference_mode():  # as the engine runs it (with gradients: F.linear, see below)
         got = net(x)
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.is_contiguous()
@@ -64,7 +64,7 @@ def test_each_call_picks_its_product_by_its_own_rows(monkeypatch):
     monkeypatch.setattr(type(kernel), "__call__", lambda self, rows, *a: calls.append(rows.shape[0]) or
                         torch.nn.functional.linear(rows, *a))
     many, few = torch.randn(1, KERNEL_MAX_ROWS + 1, 48), torch.randn(1, 3, 40)
-    with linears.active():
+    with linears.active(), torch.inference_mode():
         h = net.proj(many)
         out = net.head(few)
     assert calls == [3] and h.shape == (1, KERNEL_MAX_ROWS + 1, 40) and out.shape == (1, 3, CHUNK + 100)
@@ -110,7 +110,7 @@ def test_a_model_cast_after_the_engine_was_built_gets_f_linear(cast):
     net.to(getattr(torch, cast))
     x = torch.randn(1, 5, 48, dtype=getattr(torch, cast))
     want = net(x)
-    with linears.active():
+    with linears.active(), torch.inference_mode():
         got = net(x)
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and torch.equal(a, b)
@@ -136,3 +136,57 @@ def test_concurrent_calls_share_nothing():
     for t in threads:
         t.join()
     assert not failures
+
+
+def test_a_module_with_its_own_forward_keeps_it(product):
+    """accelerate's offloading hooks (device_map with "disk" / "cpu" parts) and user wrappers put a forward on the
+    instance: it is neither replaced during the step nor deleted after it."""
+    net = Net()
+    linears = SmallBatchLinears(net)
+    net.proj.forward = lambda input: torch.zeros(*input.shape[:-1], 40)  # noqa: A002
+    x = torch.randn(1, 3, 48)
+    with linears.active(), torch.inference_mode():
+        assert not net.proj(x).any() and "forward" in vars(net.head)
+    assert not net.proj(x).any() and "forward" not in vars(net.head)
+
+
+def test_gradients_and_autocast_and_replaced_parameters_follow_f_linear(product):
+    """What the swapped forward must not change, in a forward that is not the engine's own (another thread on the
+    same model while a step runs): autograd, CPU autocast, parameters replaced after the engine was built, the
+    `input=` keyword, empty inputs."""
+    torch.manual_seed(0)
+    net = Net()
+    linears = SmallBatchLinears(net)
+    x = torch.randn(1, 5, 48, requires_grad=True)
+    reference = x.detach().clone().requires_grad_()
+    torch.nn.functional.linear(reference, net.proj.weight, net.proj.bias).sum().backward()
+    with linears.active():
+        out = net.proj(input=x)
+        assert out.grad_fn is not None
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, reference.grad)
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode():
+            assert net.proj(x.detach()).dtype == torch.bfloat16
+        with torch.no_grad():
+            net.proj.weight = torch.nn.Parameter(torch.randn(40, 48))  # same shape, new values
+            x2 = torch.randn(2, 48)
+            torch.testing.assert_close(net.proj(x2), torch.nn.functional.linear(x2, net.proj.weight, net.proj.bias))
+            net.proj.weight, net.proj.bias = torch.nn.Parameter(torch.randn(6, 48)), None  # another shape
+            assert net.proj(x2).shape == (2, 6)
+    empty = torch.nn.Linear(0, 5)
+    with SmallBatchLinears(empty).active(), torch.no_grad():
+        torch.testing.assert_close(empty(torch.randn(3, 0)), empty.bias.expand(3, 5))
+
+
+@pytest.mark.parametrize("rows", [3, 16, 40])
+def test_long_sums_stay_accurate(rows):
+    """in_features in the thousands, all-positive data (the worst case for a running sum): the error stays within
+    a few float32 roundings of the float64 result, like BLAS's blocked sums."""
+    kernel = load_small_gemm()
+    g = torch.Generator().manual_seed(rows)
+    x = torch.rand(rows, 8192, generator=g)
+    weight = torch.rand(24, 8192, generator=g)
+    want = x.double() @ weight.double().t()
+    error = ((kernel(x, weight, None).double() - want).abs() / want).max().item()
+    blas = ((torch.nn.functional.linear(x, weight).double() - want).abs() / want).max().item()
+    assert error <= max(4 * blas, 2e-6), (error, blas)

@@ -85,35 +85,46 @@ def small_linear_status() -> str:
 
 
 def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Checked on every call, as the kernel reads raw pointers: a model moved or cast after the engine was built
-    (`model.half()`, `.to(...)`) takes F.linear instead of a read past the end of a smaller buffer."""
+    """Checked on every call, as the kernel reads raw pointers and records no autograd graph: a model cast or moved
+    after the engine was built (`model.half()`, `.to(...)`), a call that needs gradients (a user's own forward on the
+    same model in another thread while an engine step runs) or runs under CPU autocast all take F.linear."""
     return (rows.dtype == weight.dtype == torch.float32 and rows.device.type == weight.device.type == "cpu"
             and weight.is_contiguous() and weight.dim() == 2 and rows.shape[1] == weight.shape[1]
             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.is_contiguous()
-                                  and bias.shape == weight.shape[:1])))
+                                  and bias.shape == weight.shape[:1]))
+            and not (torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and not torch.is_autocast_enabled("cpu"))
+
+
+def _rows(x: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """x as [rows, in_features] when it has 1..limit rows and something to multiply, else None (F.linear)."""
+    if x.dim() == 0 or x.shape[-1] == 0 or x.numel() == 0:
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.shape[0] <= limit else None
 
 
 def _kernel_forward(module: torch.nn.Linear, kernel: SmallGemm):
-    weight, bias = module.weight, module.bias
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if not 0 < rows.shape[0] <= KERNEL_MAX_ROWS or not _kernel_takes(rows, weight, bias):
-            return torch.nn.functional.linear(x, weight, bias)
+    # the module's parameters are read on every call: one replaced after the engine was built is used as it is now
+    def forward(input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear.forward's own parameter name
+        weight, bias = module.weight, module.bias
+        rows = _rows(input, KERNEL_MAX_ROWS)
+        if rows is None or not _kernel_takes(rows, weight, bias):
+            return torch.nn.functional.linear(input, weight, bias)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return kernel(rows, weight, bias).view(*input.shape[:-1], weight.shape[0])
 
     return forward
 
 
 def _small_batch_forward(module: torch.nn.Linear):
-    weight, bias = module.weight, module.bias
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > MAX_ROWS:
-            return torch.nn.functional.linear(x, weight, bias)
+    def forward(input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear.forward's own parameter name
+        weight, bias = module.weight, module.bias
+        rows = _rows(input, MAX_ROWS)
+        if rows is None or weight.dim() != 2:
+            return torch.nn.functional.linear(input, weight, bias)
         columns = rows.t()
         if weight.shape[0] > CHUNK:  # each piece lands transposed in place: one pass over the output
             out = rows.new_empty(rows.shape[0], weight.shape[0])
@@ -123,13 +134,13 @@ def _small_batch_forward(module: torch.nn.Linear):
             out = torch.mm(weight, columns).t().contiguous()
         if bias is not None:
             out += bias
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out.view(*input.shape[:-1], weight.shape[0])
 
     return forward
 
 
 class SmallBatchLinears:
-    """The model's plain fp32 CPU linear layers, found once; `active(num_rows)` is a context for one forward."""
+    """The model's plain fp32 CPU linear layers, found once; `active()` is a context for one forward."""
 
     def __init__(self, model: torch.nn.Module):
         enabled = os.environ.get("HF_PAGED_SMALL_LINEARS", "1") != "0"
@@ -147,10 +158,12 @@ class SmallBatchLinears:
         if not self.modules:
             yield
             return
-        for module, forward in zip(self.modules, self.forwards):
+        # a module that carries a forward of its own (accelerate's offloading hooks, a user's wrapper) keeps it
+        swapped = [(m, f) for m, f in zip(self.modules, self.forwards) if "forward" not in vars(m)]
+        for module, forward in swapped:
             module.forward = forward
         try:
             yield
         finally:
-            for module in self.modules:
+            for module, _ in swapped:
                 del module.forward  # the class's forward again

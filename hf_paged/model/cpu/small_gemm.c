@@ -14,37 +14,46 @@
  * rows of x: for each kk it broadcasts w[j, kk] against the vector(s) of packed row kk and accumulates NB x 16
  * (or NB x 32) outputs in registers; the NB weight rows stay in L1 while the tile walks over the rows of x.
  * Tiles of output features are spread over OpenMP threads (the libgomp torch loaded, one pool). Every output is
- * summed over kk in order, in one accumulator: only the order of the floating-point sums differs from BLAS.
+ * summed over kk in order in blocks of K_BLOCK, the blocks' partial sums then added: only the order of the
+ * floating-point sums differs from BLAS.
  */
 #include <stdint.h>
 #include <string.h>
 
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 
-#define NB 8 /* weight rows per tile */
+#define NB 8        /* weight rows per tile */
+#define K_BLOCK 128 /* inputs summed per partial sum: the rounding error grows with K_BLOCK + k / K_BLOCK, not k */
 
 #define DEFINE_TILE(NAME, VECS)                                                                                      \
     static inline void NAME(const float *restrict packed, const float *restrict w, const float *restrict bias,     \
                             float *restrict y, int64_t m, int64_t mp, int64_t n, int64_t k, int64_t j0, int64_t nb, \
                             int64_t row0) {                                                                          \
-        vec16 acc[NB][VECS];                                                                                         \
-        memset(acc, 0, sizeof acc);                                                                                  \
+        vec16 total[NB][VECS];                                                                                       \
+        memset(total, 0, sizeof total);                                                                              \
         const float *rows[NB];                                                                                       \
         for (int b = 0; b < NB; ++b) rows[b] = w + (j0 + (b < nb ? b : 0)) * k; /* short tile: repeat row j0 */     \
-        for (int64_t kk = 0; kk < k; ++kk) {                                                                         \
-            vec16 xv[VECS];                                                                                          \
-            for (int h = 0; h < VECS; ++h) memcpy(&xv[h], packed + kk * mp + row0 + 16 * h, sizeof(vec16));         \
-            for (int b = 0; b < NB; ++b) {                                                                           \
-                const float s = rows[b][kk];                                                                         \
-                for (int h = 0; h < VECS; ++h) acc[b][h] += s * xv[h];                                               \
+        for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {                                                                \
+            const int64_t k1 = k - k0 < K_BLOCK ? k : k0 + K_BLOCK;                                                  \
+            vec16 acc[NB][VECS];                                                                                     \
+            memset(acc, 0, sizeof acc);                                                                              \
+            for (int64_t kk = k0; kk < k1; ++kk) {                                                                   \
+                vec16 xv[VECS];                                                                                      \
+                for (int h = 0; h < VECS; ++h) memcpy(&xv[h], packed + kk * mp + row0 + 16 * h, sizeof(vec16));     \
+                for (int b = 0; b < NB; ++b) {                                                                       \
+                    const float s = rows[b][kk];                                                                     \
+                    for (int h = 0; h < VECS; ++h) acc[b][h] += s * xv[h];                                           \
+                }                                                                                                    \
             }                                                                                                        \
+            for (int b = 0; b < NB; ++b)                                                                             \
+                for (int h = 0; h < VECS; ++h) total[b][h] += acc[b][h];                                             \
         }                                                                                                            \
         for (int b = 0; b < nb; ++b) {                                                                               \
             const float add = bias ? bias[j0 + b] : 0.0f;                                                            \
             for (int h = 0; h < VECS; ++h)                                                                           \
                 for (int i = 0; i < 16; ++i) {                                                                       \
                     const int64_t row = row0 + 16 * h + i;                                                           \
-                    if (row < m) y[row * n + j0 + b] = acc[b][h][i] + add;                                           \
+                    if (row < m) y[row * n + j0 + b] = total[b][h][i] + add;                                         \
                 }                                                                                                    \
         }                                                                                                            \
     }

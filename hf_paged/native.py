@@ -16,6 +16,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC")
@@ -82,7 +85,13 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     return target
 
 
-def failure_reason(error: Exception) -> str:
-    """One line saying why a build or load failed (the compiler's own message included)."""
-    detail = getattr(error, "stderr", b"") or b""
-    return f"{type(error).__name__}: {error} {detail.decode(errors='replace')[:500]}".strip()
+def load(source: Path, switch: str, wrap: Callable[[Path], T]) -> tuple[T | None, str]:
+    """`wrap(the built library's path)` and "loaded", or None and why not: the environment variable `switch` set to
+    0, no compiler, a failed build or load."""
+    if os.environ.get(switch, "1") == "0":
+        return None, f"disabled by {switch}=0"
+    try:
+        return wrap(build(source)), "loaded"
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", b"") or b""  # the compiler's own message
+        return None, f"{type(error).__name__}: {error} {detail.decode(errors='replace')[:500]}".strip()

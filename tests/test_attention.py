@@ -174,17 +174,17 @@ def test_a_damaged_cached_cpu_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch
 
     monkeypatch.setenv("HF_PAGED_CACHE_DIR", str(tmp_path))
     try:
-        built = cpu_kernel._build()
+        built = native.build(cpu_kernel.SOURCE)
     except (RuntimeError, OSError) as e:  # no C compiler here: nothing to check
         pytest.skip(f"no C compiler: {e}")
     whole = built.read_bytes()
     built.write_bytes(whole[: len(whole) // 3])  # truncated in place
     assert not native.is_complete(built)
-    again = cpu_kernel._build()
+    again = native.build(cpu_kernel.SOURCE)
     assert again == built and len(again.read_bytes()) > len(whole) // 3 and native.is_complete(again)
     built.with_suffix(".sha256").unlink()  # a build without its stamp (e.g. from an older version) is rebuilt too
     assert not native.is_complete(built)
-    cpu_kernel.CpuDecodeKernel(cpu_kernel._build())  # and loads
+    cpu_kernel.CpuDecodeKernel(native.build(cpu_kernel.SOURCE))  # and loads
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -21,10 +19,6 @@ from .extras import LayerExtras
 
 SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
 _status: dict[str, str] = {}
-
-
-def _build() -> Path:
-    return native.build(SOURCE)
 
 
 class CpuDecodeKernel:
@@ -69,15 +63,7 @@ def _per_head(values: torch.Tensor | None, num_heads: int) -> torch.Tensor | Non
 
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernel() -> CpuDecodeKernel | None:
-    if os.environ.get("HF_PAGED_CPU_KERNEL", "1") == "0":
-        _status["reason"] = "disabled by HF_PAGED_CPU_KERNEL=0"
-        return None
-    try:
-        kernel = CpuDecodeKernel(_build())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _status["reason"] = native.failure_reason(e)
-        return None
-    _status["reason"] = "loaded"
+    kernel, _status["reason"] = native.load(SOURCE, "HF_PAGED_CPU_KERNEL", CpuDecodeKernel)
     return kernel
 
 

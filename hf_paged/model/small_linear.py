@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,15 +63,7 @@ class SmallGemm:
 
 @functools.lru_cache(maxsize=1)
 def load_small_gemm() -> SmallGemm | None:
-    if os.environ.get("HF_PAGED_SMALL_GEMM", "1") == "0":
-        _status["reason"] = "disabled by HF_PAGED_SMALL_GEMM=0"
-        return None
-    try:
-        kernel = SmallGemm(native.build(SOURCE))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _status["reason"] = native.failure_reason(e)
-        return None
-    _status["reason"] = "loaded"
+    kernel, _status["reason"] = native.load(SOURCE, "HF_PAGED_SMALL_GEMM", SmallGemm)
     return kernel
 
 

@@ -8,14 +8,16 @@ import torch
 from hf_paged.attention import cpu_kernel_status, paged_attention, store_kv
 
 
-def reference(query, keys, values, query_lens, scale, window, softcap, sinks=None, alibi=None, chunk=None):
+def reference(query, keys, values, query_lens, scale, window, softcap, sinks=None, alibi=None, chunk=None,
+              key_masks=None):
     """Per sequence, dense float64: keys/values hold each sequence's whole context [C, H_kv, D]. `sinks` [H]: a
     per-head logit in every row's softmax denominator that contributes no value. `alibi` [H]: slopes, the score of
     key k for the query at q gains slope * (k - q) (without sinks, the same softmax as HF bloom's slope * k).
-    `chunk`: keys only from the query's own chunk (k // chunk == q // chunk)."""
+    `chunk`: keys only from the query's own chunk (k // chunk == q // chunk). `key_masks`: per sequence, bool [C]
+    (False: a key nobody attends); a query left without keys gets zeros."""
     outs, start = [], 0
     heads = query.shape[1]
-    for q_len, k, v in zip(query_lens, keys, values):
+    for index, (q_len, k, v) in enumerate(zip(query_lens, keys, values)):
         q = query[start:start + q_len].double()
         start += q_len
         ctx = k.shape[0]
@@ -34,13 +36,15 @@ def reference(query, keys, values, query_lens, scale, window, softcap, sinks=Non
             allowed &= k_pos > q_pos - window
         if chunk:
             allowed &= k_pos // chunk == q_pos // chunk
+        if key_masks is not None:
+            allowed &= key_masks[index][None, :]
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             sink = sinks.double()[:, None, None].expand(heads, q_len, 1)
             probs = torch.cat([scores, sink], -1).softmax(-1)[..., :ctx]
         else:
             probs = scores.softmax(-1)
-        outs.append(torch.einsum("hqk,khd->qhd", probs, vv))
+        outs.append(torch.einsum("hqk,khd->qhd", probs.nan_to_num(0.0), vv))
     return torch.cat(outs)
 
 
@@ -140,6 +144,37 @@ def test_native_cpu_decode_kernel_builds_and_matches_reference(head_dim, heads, 
     native = paged_attention(query, kc, vc, cu, ctx, tables, scale=scale, sliding_window=window, softcap=softcap,
                              backend="auto")
     torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+@pytest.mark.parametrize("window, softcap, extra", [(None, None, None), (50, None, "alibi"), (None, 4.0, "sinks")])
+def test_native_cpu_decode_kernel_with_a_key_mask(window, softcap, extra):
+    """The key mask of HF's own loop (padding, gaps): left-out keys take no part, whatever they hold; a sequence
+    with every key left out gets zeros (and, with sinks, the sink alone)."""
+    from hf_paged.attention.cpu_kernel import load_cpu_kernel
+
+    seqs = [(1, n) for n in (1, 17, 100, 64, 33, 40)]
+    heads, kv_heads, head_dim = 8, 2, 64
+    query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, heads, kv_heads, head_dim, 16, torch.float32, 9)
+    gen = torch.Generator().manual_seed(3)
+    masks = [torch.rand(n, generator=gen) > 0.3 for _, n in seqs]
+    masks[1][:9] = False  # left padding
+    masks[4][:] = False  # nothing to attend
+    masks[5][:] = True
+    width = max(n for _, n in seqs) + 5
+    key_mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for row, m in enumerate(masks):
+        key_mask[row, :len(m)] = m
+    per_head = torch.linspace(-1.0, 1.0, heads)
+    sinks, alibi = (per_head, None) if extra == "sinks" else (None, per_head.abs() * 0.1 if extra else None)
+    from hf_paged.attention import LayerExtras
+
+    out = load_cpu_kernel()(query, kc, vc, tables.long(), ctx.long(), head_dim ** -0.5, window, softcap,
+                            LayerExtras(sinks=sinks, alibi_slopes=alibi), key_mask=key_mask)
+    ref = reference(query, keys, values, [1] * len(seqs), head_dim ** -0.5, window, softcap, sinks=sinks,
+                    alibi=alibi, key_masks=masks)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    assert not out[4].any()
 
 
 def test_fp8_cache_with_per_layer_scales():

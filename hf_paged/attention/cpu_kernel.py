@@ -25,15 +25,17 @@ class CpuDecodeKernel:
     def __init__(self, path: Path):
         fn = ctypes.CDLL(str(path)).paged_decode_f32
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, ptr, ptr, i64, i64, i64]
+        fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, ptr, ptr, i64, ptr, i64, i64, i64]
         fn.restype = None
         self.fn = fn
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                 softcap: float | None, extras: LayerExtras | None = None) -> torch.Tensor:
+                 softcap: float | None, extras: LayerExtras | None = None,
+                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """query [G, H, D] fp32 (one token per sequence) -> [G, H, D]; tables int64 [G, B], context_lens int64 [G].
-        `extras`: the layer's sinks / ALiBi slopes / attention chunk (LayerExtras), all implemented here."""
+        `extras`: the layer's sinks / ALiBi slopes / attention chunk (LayerExtras), all implemented here.
+        `key_mask`: bool [G, >= max context], False for keys to leave out (a row with none left gets zeros)."""
         query = query.contiguous()  # the packed rows may come as a transposed view of [H, T, D]
         groups, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
@@ -47,7 +49,13 @@ class CpuDecodeKernel:
         per_head = [_per_head(t, num_heads) for t in (getattr(extras, "alibi_slopes", None),
                                                       getattr(extras, "sinks", None))]
         chunk = getattr(extras, "chunk_size", None) or 0
-        self.fn(*args, *(0 if t is None else t.data_ptr() for t in per_head), chunk, 0, groups)
+        mask = None
+        if key_mask is not None:
+            if key_mask.shape[0] != groups or key_mask.shape[1] < int(context_lens.max()):
+                raise ValueError(f"key_mask of shape {tuple(key_mask.shape)} does not cover {groups} sequences' keys")
+            mask = key_mask.to(device="cpu", dtype=torch.uint8).contiguous()
+        self.fn(*args, *(0 if t is None else t.data_ptr() for t in per_head), chunk,
+                0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1], 0, groups)
         return out
 
 

@@ -3,16 +3,19 @@
 It goes wherever HF takes a cache: `model.generate(..., cache=PagedCache(model.config))`, plain
 `model(input_ids, cache=cache, use_cache=True)` loops, beam search (block tables are reordered and blocks shared
 by reference count, copied only when a beam writes into a shared block), assisted decoding (`crop` frees the
-blocks past the cut). Each layer's `update` writes the new K/V into the pages and hands the attention a gathered,
-[batch, heads, length, head_dim] copy of the rows' pages (transient, the same amount of data
-`DynamicCache` concatenates every step); the pages are what the cache holds.
+blocks past the cut). Each layer's `update` writes the new K/V into the pages. When the model runs the
+"paged_cache" attention implementation (the generate take-over switches sdpa models to it for the call), the
+attention gets a `kv.PagedKV` and decodes read the pages in place; otherwise it gets a gathered,
+[batch, heads, length, head_dim] copy of the rows' pages (transient, the same amount of data `DynamicCache`
+concatenates every step). The pages are what the cache holds.
 """
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
 
-from ..kv import PagedStore
+from ..kv import PagedKV, PagedStore
+from ..model import CACHE_ATTENTION_NAME
 
 _ATTENTION_LAYERS = {"full_attention": False, "sliding_attention": True, "chunked_attention": True}  # -> is_sliding
 
@@ -28,10 +31,11 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, store: PagedStore, index: int, is_sliding: bool = False):
+    def __init__(self, store: PagedStore, index: int, is_sliding: bool = False, attention_config=None):
         self.store = store
         self.index = index
         self.is_sliding = is_sliding
+        self.attention_config = attention_config  # whose `_attn_implementation` says whether attention reads in place
         self.length = 0
         self.is_initialized = False
         self.device = None
@@ -49,12 +53,25 @@ class PagedLayer(CacheLayerMixin):
         self.device = key_states.device
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store K/V ([rows, heads, new, head_dim]) after the layer's current length: `update` without handing
+        attention anything."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.store.write(self.index, key_states, value_states, self.length)
         self.length += key_states.shape[-2]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.append(key_states, value_states)
+        if self.reads_in_place:
+            paged = PagedKV(key_states, value_states, self.store, self.index, self.length)
+            return paged, paged
         return self.store.read(self.index, self.length)
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the model's attention is "paged_cache" (it takes a PagedKV and reads the pages itself)."""
+        return getattr(self.attention_config, "_attn_implementation", None) == CACHE_ATTENTION_NAME
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -159,7 +176,7 @@ def _layers_for(config, store: PagedStore) -> list:
         if layer_type == "dummy":
             layers.append(DummyLayer())
         elif layer_type in _ATTENTION_LAYERS:
-            layers.append(PagedLayer(store, index, _ATTENTION_LAYERS[layer_type]))
+            layers.append(PagedLayer(store, index, _ATTENTION_LAYERS[layer_type], text))
         else:
             raise ValueError(f"PagedCache holds attention K/V only; {getattr(text, 'model_type', 'this model')!r} "
                              f"has layers of type {layer_type!r}")

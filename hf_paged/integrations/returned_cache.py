@@ -57,7 +57,7 @@ class KVSnapshots:
                 full_k[row, columns[keep].to(k.device)] = k[keep.to(k.device)].to(dtype)
                 full_v[row, columns[keep].to(v.device)] = v[keep.to(v.device)].to(dtype)
             if layer < len(cache.layers) and isinstance(cache.layers[layer], PagedLayer):
-                cache.update(full_k.transpose(1, 2), full_v.transpose(1, 2), layer)
+                cache.layers[layer].append(full_k.transpose(1, 2), full_v.transpose(1, 2))
         return cache
 
 

@@ -2,7 +2,7 @@
 from .block_pool import NULL_BLOCK, Block, BlockPool, FreeBlockQueue
 from .cache import KVCache, KVCacheSpec, choose_num_blocks
 from .manager import KVCacheManager, blocks_needed
-from .paged_store import PagedStore
+from .paged_store import PagedKV, PagedStore
 
-__all__ = ["NULL_BLOCK", "Block", "BlockPool", "FreeBlockQueue", "KVCache", "KVCacheSpec", "KVCacheManager",
+__all__ = ["NULL_BLOCK", "Block", "BlockPool", "FreeBlockQueue", "KVCache", "KVCacheSpec", "KVCacheManager", "PagedKV",
            "blocks_needed", "choose_num_blocks", "PagedStore"]

@@ -28,6 +28,28 @@ class LayerPages:
         return per + self.values[0].numel() * self.values.element_size()
 
 
+@dataclass(slots=True, frozen=True)
+class PagedKV:
+    """What a layer's update hands an attention that reads the pages in place (the "paged_cache" implementation),
+    instead of a gathered copy: this call's new K and V ([rows, heads, new, head_dim], already written) and where the
+    layer's whole K/V live: slots [0, length) of every row of `store`'s pages of `layer`. Deliberately not a tensor:
+    any other use of it fails loudly instead of computing on the new tokens alone."""
+
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+    store: "PagedStore"
+    layer: int
+    length: int
+
+    @property
+    def pages(self) -> LayerPages:
+        return self.store.layers[self.layer]
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V as [rows, heads, length, head_dim] copies (what a DynamicCache would hold)."""
+        return self.store.read(self.layer, self.length)
+
+
 class PagedStore:
     """Block tables for `num_rows` rows and the pages of every layer.
 

@@ -1,9 +1,26 @@
 """How the engine drives a transformers model: what it is (`describe_model` / `ModelSpec`) and the "paged"
-attention function that reads and writes the KV pages during one packed forward pass."""
-from .paged_forward import (PagedForwardContext, forward_lock, paged_attention_active, position_takers, register,
-                            unregister)
+attention function that reads and writes the KV pages during one packed forward pass; plus "paged_cache", the sdpa
+attention that reads a `PagedCache`'s pages in place in transformers' own loop."""
+from . import cache_attention, paged_forward
+from .cache_attention import CACHE_ATTENTION_NAME
+from .paged_forward import (PagedForwardContext, attention_implementation, forward_lock, paged_attention_active,
+                            position_takers)
 from .probe import check_paged_matches_model
 from .small_linear import SmallBatchLinears
 from .spec import ModelSpec, describe_model
 
-__all__ = ["check_paged_matches_model", "SmallBatchLinears", "ModelSpec", "describe_model", "PagedForwardContext", "forward_lock", "paged_attention_active", "position_takers", "register", "unregister"]
+
+def register() -> None:
+    """Register "paged" (the engine's) and "paged_cache" (HF's loop on a PagedCache) with transformers."""
+    paged_forward.register()
+    cache_attention.register()
+
+
+def unregister() -> None:
+    paged_forward.unregister()
+    cache_attention.unregister()
+
+
+__all__ = ["CACHE_ATTENTION_NAME", "check_paged_matches_model", "SmallBatchLinears", "ModelSpec", "describe_model",
+           "PagedForwardContext", "attention_implementation", "forward_lock", "paged_attention_active",
+           "position_takers", "register", "unregister"]

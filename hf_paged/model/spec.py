@@ -23,6 +23,8 @@ class ModelSpec:
     # `paged_attention_active` installs for models that need them (for bloom / mpt, whose attention modules compute
     # attention themselves, only those)
     configs: list
+    # how many layers' attention the probe forward saw go through transformers' attention interface (0: none did)
+    interface_layers: int = 0
 
 
 def describe_model(model: torch.nn.Module) -> ModelSpec:
@@ -51,7 +53,7 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     if not num_heads or not num_layers or not hidden:
         raise ValueError(f"model type {model_type!r} config lacks attention heads / layers / hidden size")
     param = next(model.parameters())
-    shape, configs = _switched(model, [config] + ([text] if text is not config else []), model_type)
+    shape, configs, interface_layers = _switched(model, [config] + ([text] if text is not config else []), model_type)
     if shape is not None:
         num_kv_heads, head_dim = shape
     else:  # the modules' attention did not run through the interface: the config's word (the start-up check decides)
@@ -64,26 +66,29 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
         vocab_size=text.vocab_size,
         accepts_logits_to_keep="logits_to_keep" in forward_params,
         configs=configs,
+        interface_layers=interface_layers,
     )
 
 
-def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[tuple[int, int] | None, list]:
-    """(the modules' K/V shape or None, what `paged_attention_active` switches: the configs and any ModulePatches)."""
+def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[tuple[int, int] | None, list, int]:
+    """(the modules' K/V shape or None, what `paged_attention_active` switches: the configs and any ModulePatches,
+    the number of layers whose attention went through the interface)."""
     adapters = self_attending_modules(model)
     if adapters:  # their modules never read `_attn_implementation`: masks stay as HF builds them
-        shape, configs = None, [ModulePatches(model, adapters, [])]
+        shape, configs, layers = None, [ModulePatches(model, adapters, [])], 0
     else:
-        shape, configs = module_kv_shape(model, configs, model_type)
+        shape, configs, layers = module_kv_shape(model, configs, model_type)
     positioned = position_takers(model)
-    return shape, configs + [ModulePatches(model, [], [], positioned)] if positioned else configs
+    return shape, configs + [ModulePatches(model, [], [], positioned)] if positioned else configs, layers
 
 
-def module_kv_shape(model: torch.nn.Module, configs: list, model_type: str) -> tuple[tuple[int, int] | None, list]:
-    """(K/V heads, head size) as the model's attention modules produce them, and the configs to switch (with a
+def module_kv_shape(model: torch.nn.Module, configs: list,
+                    model_type: str) -> tuple[tuple[int, int] | None, list, int]:
+    """(K/V heads, head size) as the model's attention modules produce them, the configs to switch (with a
     `ModulePatches` that hands the forward's keywords to attention modules when the model's layers drop them). Read
-    from one 2-token forward with an attention function that records the shapes (`record_kv_shapes`); kept on the
-    model. Shape None when no layer's attention ran through the interface (the config's sizes are used, and the
-    start-up check has the last word). Raises ValueError when layers differ, or V differs from K: the paged cache
+    from one 2-token forward with an attention function that records the shapes (`record_kv_shapes`), kept on the
+    model; and how many layers recorded. Shape None when no layer's attention ran through the interface (the config's
+    sizes are used, and the start-up check has the last word). Raises ValueError when layers differ, or V differs from K: the paged cache
     holds one shape for every layer's K and V."""
     known = model.__dict__.get("_hf_paged_kv_shape")
     if known is None:
@@ -91,13 +96,14 @@ def module_kv_shape(model: torch.nn.Module, configs: list, model_type: str) -> t
         if not found:  # maybe its layers drop the forward's keywords: hand them down
             found = _recorded_shapes(model, configs + [_injector(model)])
             injected = bool(found)
-        known = (found or [], injected)
+        known = (found or {}, injected)
         if found is not None:  # a forward that failed (maybe passingly) is not kept
             model.__dict__["_hf_paged_kv_shape"] = known
-    found, injected = known
+    recorded, injected = known
     configs = configs + [_injector(model)] if injected else configs
+    found = sorted(set(recorded.values()))
     if not found:
-        return None, configs
+        return None, configs, 0
     if len(found) > 1:
         raise ValueError(f"model type {model_type!r}: its layers produce K/V of different shapes (heads, size of K, "
                          f"then of V): {found}; hf_paged's paged cache holds one shape for every layer")
@@ -106,7 +112,7 @@ def module_kv_shape(model: torch.nn.Module, configs: list, model_type: str) -> t
         raise ValueError(f"model type {model_type!r}: its attention produces K with {k_heads} heads of size {k_size} "
                          f"but V with {v_heads} heads of size {v_size}; hf_paged's paged cache holds K and V of one "
                          f"shape")
-    return (k_heads, k_size), configs
+    return (k_heads, k_size), configs, len(recorded)
 
 
 def _injector(model: torch.nn.Module) -> ModulePatches:
@@ -114,9 +120,9 @@ def _injector(model: torch.nn.Module) -> ModulePatches:
 
 
 @torch.inference_mode()
-def _recorded_shapes(model: torch.nn.Module, configs: list) -> list | None:
-    """Distinct (K heads, K size, V heads, V size) the layers recorded in one 2-token forward ([] if none did,
-    None if the forward failed)."""
+def _recorded_shapes(model: torch.nn.Module, configs: list) -> dict | None:
+    """{layer: (K heads, K size, V heads, V size)} as the layers recorded them in one 2-token forward ({} if none
+    did, None if the forward failed)."""
     shapes: dict = {}
     device = next(model.parameters()).device
     try:
@@ -124,4 +130,4 @@ def _recorded_shapes(model: torch.nn.Module, configs: list) -> list | None:
             model(input_ids=torch.tensor([[1, 2]], device=device), use_cache=False, hf_paged_kv_shapes=shapes)
     except Exception:  # noqa: BLE001 - a model that cannot run this way is judged by its config and the probe
         return None
-    return sorted(set(shapes.values()))
+    return shapes

@@ -11,7 +11,9 @@
  * heads of the GQA group from it. The query sits at position pos = context_len - 1 (bottom-right); a sliding window
  * keeps keys k > pos - window, an attention chunk C keys k >= (pos / C) * C. Softcap applies tanh(s / cap) * cap to
  * scaled scores; ALiBi (`alibi`: [num_heads] slopes, or NULL) then adds slope * (k - pos); a sink (`sinks`:
- * [num_heads] logits, or NULL) joins each head's softmax denominator with no value.
+ * [num_heads] logits, or NULL) joins each head's softmax denominator with no value. A key mask (`key_mask`:
+ * [num_seqs, mask_stride] bytes, or NULL) leaves out the keys whose byte is 0 (padding in HF's own loop); a row
+ * whose keys are all left out gets zeros.
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,58 +41,69 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
     return p * scale;
 }
 
-/* Where each token's row of this item lives: offsets[t - start] = element offset of token t's K (and V: both
- * caches share one layout) for kv head `kv_offset / head_dim`, for t in [start, ctx). The table is walked block
- * by block, so no token pays a division; both passes below then read rows through these offsets. */
-static void token_offsets(const int64_t *restrict table, int64_t start, int64_t ctx, int64_t block_size, int64_t row,
-                          int64_t kv_offset, int64_t *restrict offsets) {
+/* The keys an item attends, in order: for each token t in [start, ctx) whose `key_mask` byte is not 0 (every token
+ * without a mask), offsets[i] = element offset of its K row (and V row: both caches share one layout) for kv head
+ * `kv_offset / head_dim`, tokens[i] = t. Returns their count. The table is walked block by block, so no token pays a
+ * division; both passes below then read rows through these offsets. */
+static int64_t attended_keys(const int64_t *restrict table, int64_t start, int64_t ctx, int64_t block_size,
+                             int64_t row, int64_t kv_offset, const uint8_t *restrict key_mask,
+                             int64_t *restrict offsets, int64_t *restrict tokens) {
+    int64_t count = 0;
     for (int64_t b = start / block_size, t = start; t < ctx; ++b) {
         const int64_t block_end = (b + 1) * block_size < ctx ? (b + 1) * block_size : ctx;
         const int64_t base = (table[b] * block_size - b * block_size) * row + kv_offset;
-        for (; t < block_end; ++t) offsets[t - start] = base + t * row;
+        for (; t < block_end; ++t) {
+            if (key_mask != NULL && key_mask[t] == 0) continue;
+            offsets[count] = base + t * row;
+            tokens[count++] = t;
+        }
     }
+    return count;
 }
 
-/* One (sequence, kv head) item. `head_dim` is a compile-time constant at the specialized call sites below,
- * which lets the compiler unroll the per-row loops completely. `offsets` as filled by token_offsets. */
+/* One (sequence, kv head) item over its `count` keys. `head_dim` is a compile-time constant at the specialized call
+ * sites below, which lets the compiler unroll the per-row loops completely. `offsets`, `tokens` as filled by
+ * attended_keys; the query sits at position ctx - 1. */
 ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict key_cache,
-                               const float *restrict value_cache, const int64_t *restrict offsets, float *restrict sg,
-                               float *restrict og, int64_t ctx, int64_t start, int64_t per_kv, int64_t head_dim,
+                               const float *restrict value_cache, const int64_t *restrict offsets,
+                               const int64_t *restrict tokens, float *restrict sg, float *restrict og, int64_t ctx,
+                               int64_t count, int64_t per_kv, int64_t head_dim,
                                int64_t max_context, float scale, float softcap, const float *restrict alibi,
                                const float *restrict sinks) {
-    for (int64_t t = start; t < ctx; ++t) {
-        const float *restrict k = key_cache + offsets[t - start];
+    for (int64_t i = 0; i < per_kv * head_dim; ++i) og[i] = 0.f;
+    if (count == 0) return;
+    for (int64_t i = 0; i < count; ++i) {
+        const float *restrict k = key_cache + offsets[i];
         for (int64_t g = 0; g < per_kv; ++g) {
             const float *restrict qh = qg + g * head_dim;
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
             for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
-            sg[g * max_context + t] = acc * scale;
+            sg[g * max_context + i] = acc * scale;
         }
     }
     for (int64_t g = 0; g < per_kv; ++g) {
         float *restrict sh = sg + g * max_context;
         if (softcap > 0.f)
-            for (int64_t t = start; t < ctx; ++t) sh[t] = tanhf(sh[t] / softcap) * softcap;
+            for (int64_t i = 0; i < count; ++i) sh[i] = tanhf(sh[i] / softcap) * softcap;
         if (alibi != NULL) {
             const float slope = alibi[g];
-            for (int64_t t = start; t < ctx; ++t) sh[t] += slope * (float)(t - (ctx - 1));
+            for (int64_t i = 0; i < count; ++i) sh[i] += slope * (float)(tokens[i] - (ctx - 1));
         }
         float top = sinks != NULL ? sinks[g] : -INFINITY, total = 0.f;
 #pragma omp simd reduction(max : top)
-        for (int64_t t = start; t < ctx; ++t) top = sh[t] > top ? sh[t] : top;
+        for (int64_t i = 0; i < count; ++i) top = sh[i] > top ? sh[i] : top;
 #pragma omp simd reduction(+ : total)
-        for (int64_t t = start; t < ctx; ++t) { sh[t] = exp_nonpositive(sh[t] - top); total += sh[t]; }
+        for (int64_t i = 0; i < count; ++i) { sh[i] = exp_nonpositive(sh[i] - top); total += sh[i]; }
         if (sinks != NULL) total += exp_nonpositive(sinks[g] - top);
         const float inv = 1.f / total;
 #pragma omp simd
-        for (int64_t t = start; t < ctx; ++t) sh[t] *= inv;
+        for (int64_t i = 0; i < count; ++i) sh[i] *= inv;
     }
-    for (int64_t i = 0; i < per_kv * head_dim; ++i) og[i] = 0.f;
-    for (int64_t t = start; t < ctx; ++t) {
-        const float *restrict v = value_cache + offsets[t - start];
+    for (int64_t i = 0; i < count; ++i) {
+        const float *restrict v = value_cache + offsets[i];
         for (int64_t g = 0; g < per_kv; ++g) {
-            const float w = sg[g * max_context + t];
+            const float w = sg[g * max_context + i];
             float *restrict o = og + g * head_dim;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
@@ -102,7 +115,8 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
                       const int64_t *block_tables, const int64_t *context_lens, float *out, float *scores,
                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                       int64_t max_blocks, int64_t max_context, float scale, int64_t window, float softcap,
-                      const float *alibi, const float *sinks, int64_t chunk, int64_t first, int64_t last) {
+                      const float *alibi, const float *sinks, int64_t chunk, const uint8_t *key_mask,
+                      int64_t mask_stride, int64_t first, int64_t last) {
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) for all kv heads: contiguous */
 #pragma omp parallel for schedule(dynamic, 1)
@@ -115,16 +129,19 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
         const float *qg = q + head0 * head_dim;
         float *sg = scores + head0 * max_context;
         float *og = out + head0 * head_dim;
-        int64_t *offsets = malloc((size_t)(ctx - start) * sizeof *offsets);
+        int64_t *offsets = malloc((size_t)(ctx - start) * 2 * sizeof *offsets);
         if (offsets == NULL) { /* cannot happen for sane sizes; leave a NaN row rather than crash the process */
             for (int64_t i = 0; i < per_kv * head_dim; ++i) og[i] = NAN;
             continue;
         }
-        token_offsets(block_tables + seq * max_blocks, start, ctx, block_size, row, kv * head_dim, offsets);
+        int64_t *tokens = offsets + (ctx - start);
+        const uint8_t *mask = key_mask != NULL ? key_mask + seq * mask_stride : NULL;
+        const int64_t count = attended_keys(block_tables + seq * max_blocks, start, ctx, block_size, row,
+                                            kv * head_dim, mask, offsets, tokens);
         const float *alibi_g = alibi != NULL ? alibi + kv * per_kv : NULL;
         const float *sinks_g = sinks != NULL ? sinks + kv * per_kv : NULL;
-#define ITEM(D) decode_item(qg, key_cache, value_cache, offsets, sg, og, ctx, start, per_kv, D, max_context, scale, \
-                            softcap, alibi_g, sinks_g)
+#define ITEM(D) decode_item(qg, key_cache, value_cache, offsets, tokens, sg, og, ctx, count, per_kv, D, max_context, \
+                            scale, softcap, alibi_g, sinks_g)
         switch (head_dim) {
             case 64: ITEM(64); break;
             case 128: ITEM(128); break;

@@ -12,6 +12,7 @@ spec.loader.exec_module(census)
 @pytest.mark.parametrize("model_type, outcome, reason", [
     ("llama", "exact", ""),
     ("gemma2", "exact", ""),  # sliding-window layers keep every position; the mask applies the window
+    ("jetmoe", "exact", ""),  # its attention reshapes the K/V the cache returns: the in-place probe keeps the copy
     ("falcon_mamba", "refused", "holds attention K/V only"),  # state layers: PagedCache(config) refuses
     ("xlnet", "HF rejects", "does not use a passed cache"),  # its own memory: a passed DynamicCache stays empty too
 ])

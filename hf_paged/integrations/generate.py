@@ -17,8 +17,9 @@ from ..config import EngineConfig, InputTypeError, logger
 from ..engine import Engine
 from ..engine.intake import check_model_len
 from .generate_run import GenerateRun
+from .in_place import call_reading_in_place, in_place_configs, on_a_paged_cache
 from .paged_cache import PagedCache
-from ..model import CACHE_ATTENTION_NAME, attention_implementation, describe_model, forward_lock, position_takers
+from ..model import describe_model, position_takers
 
 PAGED = "paged"
 # model kwargs the engine understands; anything else (images, inputs_embeds, the caller's own position_ids, ...)
@@ -211,50 +212,15 @@ def _run_hf_loop(original, model, spec, arguments: dict, extra: dict, options: d
         where = f"on the cache passed in ({type(given).__name__})"
     elif arguments.get("use_cache", extra.get("use_cache")) is False:
         logger.warning("hf_paged: %s; use_cache=False: transformers' own generate loop without a cache", reason)
-        return _call_reading_in_place(original, model, arguments, extra, None)
+        return call_reading_in_place(original, model, arguments, extra, None)
     else:
         sizes = {k: options[k] for k in ("block_size", "num_blocks", "kv_cache_memory") if options and k in options}
         given = extra["cache"] = PagedCache(model.config, **sizes)
         where = "on a PagedCache"
-    configs = _in_place_configs(model, spec, arguments, extra) if isinstance(given, PagedCache) else None
+    configs = in_place_configs(model, spec, arguments, extra) if isinstance(given, PagedCache) else None
     in_place = ", attention reading its pages in place" if configs else ""
     logger.warning("hf_paged: %s; running transformers' own generate loop %s%s", reason, where, in_place)
-    return _call_reading_in_place(original, model, arguments, extra, configs)
-
-
-def _call_reading_in_place(original, model, arguments: dict, extra: dict, configs: list | None):
-    """HF's generate, with `configs` (when given) on the "paged_cache" attention for the call. The model's forward
-    lock is held throughout: an engine on the same model in another thread switches its attention to "paged" for
-    each of its forwards, which this call's forwards must never meet."""
-    with forward_lock(model), attention_implementation(configs or [], CACHE_ATTENTION_NAME):
-        return original(model, **arguments, **extra)
-
-
-def _on_a_paged_cache(original, model, arguments: dict, extra: dict):
-    """`generate(..., cache=PagedCache(...))` without asking for "paged": HF's call as it is, its attention reading
-    the pages in place where the model allows it."""
-    try:
-        spec = describe_model(model)
-    except ValueError:  # a model the engine refuses may still run HF's loop on a PagedCache (with gathered copies)
-        spec = None
-    arguments.pop("self", None)
-    configs = _in_place_configs(model, spec, arguments, extra) if spec is not None else None
-    return _call_reading_in_place(original, model, arguments, extra, configs)
-
-
-def _in_place_configs(model, spec, arguments: dict, extra: dict) -> list | None:
-    """The configs to switch to "paged_cache" for a call in HF's loop: those the model's attention reads, when all
-    are on sdpa and every attention module goes through transformers' attention interface; None otherwise (also
-    when attention weights are asked for: HF's own sdpa path then stays exactly as it is)."""
-    if spec.interface_layers != spec.kv.num_layers:  # some layer's attention does not reach the interface
-        return None
-    configs = [c for c in spec.configs if hasattr(c, "_attn_implementation_internal")]
-    if not configs or any(c._attn_implementation != "sdpa" for c in configs):
-        return None
-    config = arguments.get("generation_config") or model.generation_config
-    if extra.get("output_attentions", getattr(config, "output_attentions", False)):
-        return None
-    return configs
+    return call_reading_in_place(original, model, arguments, extra, configs)
 
 
 def paged_generate(original, model, args: tuple, kwargs: dict):
@@ -265,7 +231,7 @@ def paged_generate(original, model, args: tuple, kwargs: dict):
     extra = dict(arguments.pop("kwargs", {}))
     if not wants_paged(model, extra, arguments.get("generation_config")):
         if isinstance(extra.get("cache", extra.get("past_key_values")), PagedCache):
-            return _on_a_paged_cache(original, model, arguments, extra)
+            return on_a_paged_cache(original, model, arguments, extra)
         return original(model, *args, **kwargs)
     spec = describe_model(model)  # unsupported architectures: a clear ValueError, before any work
     options = _cache_config(model, arguments, extra, spec.max_model_len)  # bad options too, even if HF's loop runs

@@ -213,3 +213,14 @@ def test_layers_return_contiguous_key_values_like_dynamic_cache():
     ids = torch.randint(3, 500, (2, 5))
     ref = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, cache=PagedCache(model.config)), ref)
+
+
+def test_it_is_a_dynamic_cache_to_code_that_asks():
+    """transformers' own tests (and users) check that generate's default cache is a DynamicCache."""
+    model = model_for()
+    ids, mask = batch((4, 9), seed=12)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                         cache_implementation="paged")
+    assert isinstance(out.cache, PagedCache) and isinstance(out.cache, DynamicCache)
+    keys, values, _ = next(iter(out.cache))
+    assert keys.shape[2] == out.cache.get_seq_length() and keys.shape == values.shape

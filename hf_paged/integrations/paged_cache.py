@@ -12,7 +12,7 @@ concatenates every step). The pages are what the cache holds.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer, DynamicCache, get_layer_types_and_kwargs
 
 from ..kv import PagedKV, PagedStore
 from ..model import CACHE_ATTENTION_NAME
@@ -108,8 +108,9 @@ class PagedLayer(CacheLayerMixin):
     prefetch = offload
 
 
-class PagedCache(Cache):
-    """A transformers `Cache` on paged memory.
+class PagedCache(DynamicCache):
+    """A transformers `Cache` on paged memory; a `DynamicCache` to code that asks (it grows as generation goes, and
+    iterating it yields each layer's K/V as DynamicCache does), with none of DynamicCache's storage.
 
     `PagedCache(config, block_size=16, num_blocks=None, kv_cache_memory=None)`: with neither size the pool grows as
     needed (doubling); `num_blocks` fixes it (running out raises `MemoryError`); `kv_cache_memory` (bytes) fixes it
@@ -125,7 +126,7 @@ class PagedCache(Cache):
             num_blocks = _blocks_in_budget(config, block_size, kv_cache_memory)
         self.store = PagedStore(block_size, num_blocks)
         layers = _layers_for(config, self.store) if config is not None else None
-        super().__init__(layers=layers if layers is not None else [], offloading=False)
+        Cache.__init__(self, layers=layers if layers is not None else [], offloading=False)  # not DynamicCache's
 
     @property
     def num_bytes_in_use(self) -> int:

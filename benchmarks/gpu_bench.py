@@ -12,6 +12,9 @@
               (hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192, vocab 32000, bf16): 64 prompts of
               128-512 random tokens, 128 greedy new tokens each (EOS ignored); plus the model's prefill tok/s, and
               the swap-vs-recompute break-even from the swap step's bandwidth.
+              Also HF padded generate (one left-padded batch) on the same prompts.
+    parity    generate(cache_implementation="paged") vs HF generate per tiny architecture, fp32 and bf16: identical rows
+              and HF's top-2 margin where a row first differs.
     table     the summary of whatever JSON files exist.
 
 Without CUDA every step prints "skipped: no CUDA" and records that (so the script can be dry-run on a CPU box).
@@ -30,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table  # noqa: E402
+from gpu_parity import explain_divergences, parity  # noqa: E402
 
 
 def _cuda():
@@ -214,7 +218,7 @@ def swap(outdir: Path) -> dict:
     return {"shape": s, "block_bytes": block_bytes, "rows": rows}
 
 
-# ---- engine vs HF -----------------------------------------------------------------------------------------
+# ---- engine vs HF ----
 MODEL = dict(vocab_size=32000, hidden=2048, layers=16, heads=32, kv_heads=8, max_len=4096, intermediate_size=8192)
 
 
@@ -257,6 +261,7 @@ def engine(outdir: Path, requests: int, max_tokens: int) -> dict:
     del llm
     torch.cuda.empty_cache()
 
+    hf_tokens: list = []
     try:
         from transformers import GenerationConfig
 
@@ -280,6 +285,40 @@ def engine(outdir: Path, requests: int, max_tokens: int) -> dict:
     except Exception as e:  # noqa: BLE001
         result["rows"].append({"system": "HF generate_batch", "error": f"{type(e).__name__}: {e}"[:500]})
         print(f"  HF generate_batch FAILED: {e}", flush=True)
+
+    try:  # HF padded generate: one left-padded batch of all the prompts
+        hf_paged.disable()
+        width = max(map(len, prompts))
+        ids = torch.zeros(requests, width, dtype=torch.long, device="cuda")
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        options = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, **options)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            padded = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                    **options)
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        same = sum(padded[row, width:].tolist() == paged_tokens[row] for row in range(requests))
+        result["rows"].append({"system": "HF generate (padded)", "seconds": seconds,
+                               "out_tok_s": requests * max_tokens / seconds,
+                               "total_tok_s": (prompt_tokens + requests * max_tokens) / seconds,
+                               "same_tokens_as_hf_paged": f"{same}/{requests}"})
+        print(f"  HF padded generate: {seconds:.2f} s ({same}/{requests} rows identical to hf_paged)", flush=True)
+        hf_rows = [padded[row, width:].tolist() for row in range(requests)]
+        result["generate_batch_vs_padded_same"] = sum(a == b for a, b in zip(hf_tokens, hf_rows))
+        result["divergences_vs_padded"] = explain_divergences(model, prompts, paged_tokens, hf_rows)
+        print(f"  generate_batch vs padded: {result['generate_batch_vs_padded_same']}/{requests} identical; hf_paged "
+              f"vs padded (row, step, fp32 gap, bf16 spacing): {result['divergences_vs_padded']}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        result["rows"].append({"system": "HF generate (padded)", "error": f"{type(e).__name__}: {e}"[:500]})
+        print(f"  HF padded generate FAILED: {e}", flush=True)
+    finally:
+        hf_paged.enable()
 
     sw = _load(outdir, "swap")
     if sw.get("rows"):
@@ -322,7 +361,12 @@ def table(outdir: Path) -> str:
             lines.append(f"swap vs recompute: {b['swap_us_per_token']:.2f} vs {b['recompute_us_per_token']:.2f} "
                          f"us per token -> swap is {b['swap_cheaper_by']:.1f}x cheaper (best swap "
                          f"{b['best_swap_GBps']:.1f} GB/s, prefill {e['prefill_tok_s']:.0f} tok/s)")
-    skipped = [name for name in ("ceilings", "decode", "swap", "engine") if "skipped" in _load(outdir, name)]
+    pa = _load(outdir, "parity")
+    if pa.get("rows"):
+        lines.append(format_table(["parity with HF (tiny, padded)", "identical rows", "largest HF margin at a divergence"],
+                                  [[r["case"], r.get("identical"), r.get("max_margin") if r.get("identical")
+                                    else r.get("error", "")[:60]] for r in pa["rows"]]))
+    skipped = [name for name in ("ceilings", "decode", "swap", "engine", "parity") if "skipped" in _load(outdir, name)]
     if skipped:
         lines.append(f"skipped (no CUDA): {', '.join(skipped)}")
     return "\n\n".join(lines) if lines else "no results"
@@ -330,7 +374,7 @@ def table(outdir: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("step", choices=("ceilings", "decode", "swap", "engine", "table"))
+    parser.add_argument("step", choices=("ceilings", "decode", "swap", "engine", "parity", "table"))
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -349,6 +393,8 @@ def main() -> int:
         data = decode(args.outdir)
     elif args.step == "swap":
         data = swap(args.outdir)
+    elif args.step == "parity":
+        data = parity(args.outdir)
     else:
         data = engine(args.outdir, args.requests, args.max_tokens)
     _save(args.outdir, args.step, data)

@@ -3,8 +3,9 @@
 #
 #     bash benchmarks/gpu_check.sh OUTDIR
 #
-# 1. versions (nvidia-smi, torch, triton, transformers, flash libraries); transformers >= 5.24 is needed: a wheel
-#    carried in shared/wheels/transformers-*.whl is installed first (pip --no-deps) when present
+# 1. versions (nvidia-smi, torch, triton, transformers, flash libraries); transformers >= 5.24 is needed: wheels
+#    carried in $GPU_CHECK_WHEELS (default .whl/: transformers and what it needs that the machine lacks) are
+#    installed first into a separate folder put in front on PYTHONPATH (pip --no-index --no-deps --target)
 # 2. ceilings: device copy GB/s, pinned host<->device GB/s, bf16 matmul TFLOP/s      (benchmarks/gpu_bench.py)
 # 3. the csrc/ CUDA extension: the torch build (timed) and the ptxas report (tests/test_cuda_build.py)
 # 4. pytest -m gpu (tests/test_gpu.py: every available backend vs the float64 reference, the CUDA kernels)
@@ -22,7 +23,7 @@ mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-export HF_PAGED_CACHE_DIR=${HF_PAGED_CACHE_DIR:-$OUTDIR/cache}
+export HF_PAGED_CACHE_DIR=${HF_PAGED_CACHE_DIR:-/tmp/hf_paged_cache}
 export PYTHONUNBUFFERED=1
 BUDGET=${GPU_CHECK_BUDGET:-480}
 STATUS=()
@@ -47,10 +48,13 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/N
     STATUS+=("$(printf '%-10s %-10s %4ds' "$name" "$outcome" $((SECONDS - start)))")
 }
 
-# 1. versions, and transformers from a carried wheel if there is one
-WHEEL=$(ls shared/wheels/transformers-*.whl 2>/dev/null | tail -n 1)
-if [ -n "$WHEEL" ]; then
-    step wheel 120 $PY -m pip install --no-deps --quiet "$WHEEL"
+# 1. versions, and transformers from carried wheels if there are any
+WHEELS=${GPU_CHECK_WHEELS:-.whl}
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    SITE=/tmp/hf_paged_site
+    step wheels 120 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 fi
 step versions 30 bash -c "
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo 'nvidia-smi: not available'
@@ -74,19 +78,21 @@ EOF"
 # 2. ceilings
 step ceilings 60 $PY benchmarks/gpu_bench.py ceilings "$OUTDIR"
 
-# 3. the CUDA extension: the torch build (timed), then ptxas registers / spills with the local toolchain
+# 3. the CUDA extension (the ptxas report needs no GPU: tests/test_cuda_build.py runs it wherever nvcc is)
 step build 180 bash -c "time $PY -m hf_paged.attention.cuda_backend"
-step ptxas 60 $PY -m pytest -q -s tests/test_cuda_build.py -p no:cacheprovider
 
-# 4. GPU tests
-step pytest_gpu 150 $PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs --maxfail=20 --durations=5
+# 4. GPU tests: the engine-level ones (short); the kernel matrix runs last
+GPU_PYTEST="$PY -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider -rs --durations=8"
+step pytest_engine 150 $GPU_PYTEST -k "not matches_float64 and not decode_kernel_variants" --maxfail=10
 
-# 5-7. measurements
+# 5-8. measurements, then the kernel matrix with what time is left
 step decode 60 $PY benchmarks/gpu_bench.py decode "$OUTDIR"
 step swap 45 $PY benchmarks/gpu_bench.py swap "$OUTDIR"
 step engine 150 $PY benchmarks/gpu_bench.py engine "$OUTDIR"
+step parity 90 $PY benchmarks/gpu_bench.py parity "$OUTDIR"
+step pytest_kernels 150 $GPU_PYTEST -k "matches_float64 or decode_kernel_variants" --maxfail=20
 
-# 8. summary
+# 9. summary
 echo
 echo "=== summary"
 {

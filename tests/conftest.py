@@ -12,6 +12,7 @@ many were left out. (Interpreted-Triton and sm_90 / nvcc compile tests run on CP
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import pytest
@@ -105,6 +106,24 @@ def assert_same_as_hf(model, ids, mask, paged_kwargs=None, **gen_kwargs):
         f"{len(forgiven)} rows diverge from HF on near ties (margin < {MARGIN}) in one call, more than the "
         f"{MAX_FORGIVEN_PER_CALL} allowed: {forgiven}")
     return out
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 1e-30))) - 7)
+
+
+def divergence_in_fp32(model32, prompt: list[int], a: list[int], b: list[int]):
+    """Where two greedy continuations `a`, `b` of `prompt` first differ, how close the choice was in exact-ish math:
+    (step, |logit(a[step]) - logit(b[step])|, the top logit's bf16 spacing), both by `model32` (a float32 copy of the
+    model) on the shared prefix. None where they agree. A gap of a few bf16 spacings is a rounding flip of bf16."""
+    step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if step is None:
+        return None
+    ids = torch.tensor([list(prompt) + list(a[:step])], device=next(model32.parameters()).device)
+    with torch.no_grad():
+        logits = model32(ids).logits[0, -1].double()
+    return step, abs(float(logits[a[step]] - logits[b[step]])), bf16_ulp(float(logits.max()))
 
 
 def pytest_collection_modifyitems(config, items):

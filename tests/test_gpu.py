@@ -155,8 +155,62 @@ def test_engine_auto_backend_matches_torch_backend(dtype):
     if dtype == torch.float32:
         assert outputs["auto"] == outputs["torch"]
     else:
-        assert [row[:4] for row in outputs["auto"]] == [row[:4] for row in outputs["torch"]]
-        assert sum(a == b for a, b in zip(outputs["auto"], outputs["torch"])) >= len(prompts) - 2
+        assert_bf16_flips_only(model, prompts, outputs["auto"], outputs["torch"])
+
+
+def assert_bf16_flips_only(model, prompts, rows_a, rows_b, spacings: float = 4.0):
+    """bf16 rows may part where the two tokens chosen are within a few bf16 spacings of each other in float32 math
+    (the kernels round in a different order); a wider gap is a real difference."""
+    import copy
+
+    from conftest import divergence_in_fp32
+
+    model32 = copy.deepcopy(model).float()
+    found = [(row, divergence_in_fp32(model32, p, a, b)) for row, (p, a, b) in enumerate(zip(prompts, rows_a, rows_b))]
+    found = [(row, d) for row, d in found if d is not None]
+    print(f"\nbf16 divergences (row, (step, fp32 gap, bf16 spacing)): {found}")
+    assert all(gap <= spacings * spacing for _, (_, gap, spacing) in found), found
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt2", "mixtral"])
+def test_generate_takeover_matches_hf_fp32(arch):
+    """On CUDA in fp32, generate(cache_implementation="paged") (the engine, "auto" backends) gives HF generate's tokens
+    on a left-padded batch (a divergence only on HF's own near tie, bounded as everywhere)."""
+    from conftest import assert_same_as_hf, left_padded_batch
+
+    from hf_paged.tiny import tiny_model
+
+    model = tiny_model(arch).cuda()
+    ids, mask = left_padded_batch([5, 17, 40, 3, 64, 90])
+    assert_same_as_hf(model, ids.cuda(), mask.cuda(), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+
+
+def test_engine_swaps_through_the_copy_kernel_and_keeps_outputs():
+    """On CUDA a pressured pool swaps requests out to pinned host memory and back through the extension's copy kernel
+    (engine/memory.py: swap_copy) on the swap pool's side stream; every request keeps the tokens of an unpressured run."""
+    import hf_paged
+    from hf_paged.engine.memory import swap_copy
+    from hf_paged.tiny import tiny_model
+
+    if cuda_backend.unavailable_reason(torch.device("cuda")):
+        pytest.skip(cuda_backend.extension_status())
+    assert swap_copy(torch.device("cuda")) is cuda_backend.copy_blocks
+    model = tiny_model("llama", hidden=256, heads=4, kv_heads=2, max_len=512).cuda()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (40, 33, 57, 21, 48, 36)]
+    params = hf_paged.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for pressured in (False, True):
+        options = dict(num_blocks=24, max_num_batched_tokens=64, preemption_mode="swap", swap_space=1 << 24) \
+            if pressured else dict(num_blocks=256)
+        llm = hf_paged.LLM(model, block_size=4, cuda_graphs=False, **options)
+        runs[pressured] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.memory.swap.copy is cuda_backend.copy_blocks
+    stats = llm.stats()
+    print(f"\nswaps on CUDA: {stats['num_swap_outs']} out, {stats['num_swap_ins']} in, "
+          f"{stats['num_blocks_swapped']} blocks")
+    assert stats["num_swap_outs"] > 0 and stats["num_recomputed_tokens"] == 0
+    assert runs[True] == runs[False]
 
 
 # ---- decode steps as CUDA graphs (hf_paged/cuda_graphs.py; the padded path itself is tested on CPU) ----------------

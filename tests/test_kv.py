@@ -1,5 +1,6 @@
 """Block pool and block tables: O(1) free queue, reference counts, lowest-first reuse."""
 import pytest
+import torch
 
 from hf_paged.kv import NULL_BLOCK, BlockPool, KVCacheManager
 from hf_paged.request import Request, RequestGroup
@@ -86,3 +87,21 @@ def test_prefix_hits_never_cover_the_last_prompt_token():
     short = make_request(range(8))
     assert kv.common_prefix_blocks(short, long) == 2  # computes both of its block hashes
     assert len(kv.computed_blocks(short)) == 1
+
+
+@pytest.mark.parametrize("piecewise", [False, True])
+def test_copy_blocks_moves_exactly_the_named_blocks(piecewise):
+    """kv.swap.copy_blocks, as one strided view per run or as layers x 2 contiguous slabs per run (how it copies
+    between devices): scattered and consecutive ids, runs on one side only, every other block untouched."""
+    from hf_paged.kv.swap import contiguous_runs, copy_blocks
+
+    src = torch.randn(3, 2, 20, 4, 2, 8)
+    dst = torch.randn(3, 2, 24, 4, 2, 8)
+    before = dst.clone()
+    src_ids, dst_ids = [0, 1, 2, 7, 9, 10, 19, 5], [4, 5, 6, 0, 1, 2, 23, 11]
+    assert len(contiguous_runs(src_ids, dst_ids)) == 5
+    copy_blocks(src, dst, src_ids, dst_ids, piecewise=piecewise)
+    expected = before.clone()
+    for s, d in zip(src_ids, dst_ids):
+        expected[:, :, d] = src[:, :, s]
+    assert torch.equal(dst, expected)

@@ -62,3 +62,25 @@ def test_two_engines_on_one_model_leave_it_as_found():
     assert all("forward" not in vars(m) for m in model.modules())  # no swapped linear forward left behind
     ids = torch.tensor([work[0][0]])
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)  # plain HF works
+
+
+def test_a_model_hf_paged_ran_can_be_copied_and_saved():
+    """copy.deepcopy(model) and torch.save(model) (reference models, EMA copies, checkpoints) work after hf_paged ran
+    the model: the copy gets its own forward lock and generates the same tokens, without sharing the original's."""
+    import copy
+    import io
+
+    from hf_paged.tiny import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 9, 30, 7, 11]])
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="paged")
+    copied = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for other in (copied, loaded):
+        assert torch.equal(other.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="paged"),
+                           expected)
+        assert other.__dict__["_hf_paged_forward_lock"] is not model.__dict__["_hf_paged_forward_lock"]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import cuda_backend
 from ..config import EngineConfig, available_host_memory, default_kv_cache_bytes, default_swap_bytes, logger
 from ..kv import NULL_BLOCK, KVCache, KVCacheSpec, choose_num_blocks
-from ..kv.swap import SwapPool, copy_blocks, measure_copy_bandwidth
+from ..kv.swap import BlockCopy, SwapPool, copy_blocks, measure_copy_bandwidth
 from .plan import StepPlan
 
 
@@ -38,6 +39,15 @@ def check_memory_budget(spec: KVCacheSpec, config: EngineConfig, num_blocks: int
                          f"{' or '.join(knobs)}")
 
 
+def swap_copy(device: torch.device) -> BlockCopy:
+    """How swaps move blocks: on CUDA, the extension's copy kernel where it builds (one launch however scattered
+    the blocks; 48-51 GB/s between an H200 and pinned host memory, against 1.2-6.8 GB/s for torch copies run by
+    run, in benchmarks/gpu_bench.py swap); else torch copies (kv.swap.copy_blocks)."""
+    if device.type == "cuda" and cuda_backend.unavailable_reason(device) is None:
+        return cuda_backend.copy_blocks
+    return copy_blocks
+
+
 class KVMemory:
     """`num_blocks` pool blocks plus the null block (id 0) in one `KVCache`, and an optional host `SwapPool`.
 
@@ -55,7 +65,8 @@ class KVMemory:
         self.cache = KVCache(spec, self.num_blocks + 1, config.block_size)  # + the null block
         self.cache.storage[:, :, NULL_BLOCK].zero_()
         self.swap = self._make_swap_pool(spec, config)
-        self.copy_bytes_per_s = measure_copy_bandwidth(self.cache) if self.swap is not None else None
+        self.copy_bytes_per_s = (measure_copy_bandwidth(self.cache, copy=self.swap.copy) if self.swap is not None
+                                 else None)
 
     def _make_swap_pool(self, spec: KVCacheSpec, config: EngineConfig) -> SwapPool | None:
         if config.preemption_mode == "recompute":
@@ -68,7 +79,7 @@ class KVMemory:
                 raise ValueError("preemption_mode='swap' needs swap_space (bytes) for at least one block")
             return None
         logger.info("hf_paged swap space: %d blocks (%.1f MiB)", num_blocks, budget / 2**20)
-        return SwapPool(self.cache, int(num_blocks))
+        return SwapPool(self.cache, int(num_blocks), swap_copy(spec.device))
 
     def apply(self, plan: StepPlan) -> None:
         """Run the plan's block moves: save swapped-out blocks, clear newly handed-out ones, copy-on-write copies,

@@ -3,8 +3,8 @@ attention function that reads and writes the KV pages during one packed forward 
 attention that reads a `PagedCache`'s pages in place in transformers' own loop."""
 from . import cache_attention, paged_forward
 from .cache_attention import CACHE_ATTENTION_NAME
-from .paged_forward import (PagedForwardContext, attention_implementation, forward_lock, paged_attention_active,
-                            position_takers)
+from .forward_lock import forward_lock
+from .paged_forward import PagedForwardContext, attention_implementation, paged_attention_active, position_takers
 from .probe import check_paged_matches_model
 from .small_linear import SmallBatchLinears
 from .spec import ModelSpec, describe_model

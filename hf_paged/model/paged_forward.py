@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import inspect
-import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -143,13 +142,6 @@ def _llama4_temperature(module, query: torch.Tensor, metadata) -> torch.Tensor:
 def paged_mask(*args, **kwargs):
     """Paged attention derives causality from the metadata: transformers must build no mask."""
     return None
-
-
-def forward_lock(model) -> threading.RLock:
-    """The model's own lock (made on first use, kept on the model object): engines hold it for a whole forward, in
-    which they switch the model's attention implementation and linear layers, so two engines (or threads) on one
-    model never interleave those switches and the model is always left as it was found."""
-    return model.__dict__.setdefault("_hf_paged_forward_lock", threading.RLock())  # dict.setdefault is atomic
 
 
 @dataclass(slots=True)

@@ -16,7 +16,8 @@ import torch
 
 from ..attention import AttentionBackends, AttentionMetadata
 from ..kv import KVCache
-from .paged_forward import PagedForwardContext, UnsupportedAttention, forward_lock, paged_attention_active
+from .forward_lock import forward_lock
+from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_attention_active
 from .spec import ModelSpec
 
 LENGTHS = (11, 5)  # two sequences of different lengths, longer than a block

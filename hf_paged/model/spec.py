@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import KVCacheSpec
-from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, forward_lock, keyword_takers,
-                            position_takers, self_attending_modules)
+from .forward_lock import forward_lock
+from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
+                            self_attending_modules)
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 

@@ -23,7 +23,7 @@ mkdir -p "$OUTDIR"
 OUTDIR=$(cd "$OUTDIR" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
-export HF_PAGED_CACHE_DIR=${HF_PAGED_CACHE_DIR:-/tmp/hf_paged_cache}
+export HF_PAGED_CACHE_DIR=${HF_PAGED_CACHE_DIR:-${TMPDIR:-/tmp}/hf_paged_cache}
 export PYTHONUNBUFFERED=1
 BUDGET=${GPU_CHECK_BUDGET:-480}
 STATUS=()
@@ -51,7 +51,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/N
 # 1. versions, and transformers from carried wheels if there are any
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
-    SITE=/tmp/hf_paged_site
+    SITE=${TMPDIR:-/tmp}/hf_paged_site
     step wheels 120 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "$WHEELS"/*.whl
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}

@@ -14,6 +14,12 @@
 # 7. engine vs transformers' generate_batch on a random ~1.1B Llama (bf16), and the swap/recompute break-even
 # 8. a short summary table (also in OUTDIR/summary.txt)
 #
+# Wheels for a machine whose transformers is older than 5.24 and which has no network (2026-12-04, an H200 image
+# with transformers 5.17 and huggingface_hub 1.33): transformers itself plus what it needs that such an image lacks,
+# fetched for its python (3.12, manylinux x86_64) with `pip download --no-deps --only-binary=:all: -d .whl NAME==V`:
+#     transformers huggingface_hub httpx2 httpcore2 truststore click hf-xet regex kernels tomlkit
+# (the versions this checkout's own environment has). flashinfer-python's wheel (~100 MB) is too large to carry.
+#
 # Every step has its own time limit and log (OUTDIR/<step>.log); a failing step does not stop the others. All steps
 # share one deadline (GPU_CHECK_BUDGET seconds, default 480): a step gets at most what is left of it, and is skipped
 # when nothing is. Without CUDA the python steps print "skipped: no CUDA" (a CPU dry run).

@@ -3,7 +3,7 @@ import threading
 
 import torch
 
-from hf_paged import LLM, SamplingParams
+from hf_paged import LLM, PagedCache, SamplingParams
 
 from conftest import cached_model
 
@@ -64,23 +64,33 @@ def test_two_engines_on_one_model_leave_it_as_found():
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)  # plain HF works
 
 
-def test_a_model_hf_paged_ran_can_be_copied_and_saved():
+def test_a_model_hf_paged_ran_can_be_copied_and_saved(tmp_path):
     """copy.deepcopy(model) and torch.save(model) (reference models, EMA copies, checkpoints) work after hf_paged ran
-    the model: the copy gets its own forward lock and generates the same tokens, without sharing the original's."""
+    the model: the copy gets its own forward lock and generates the same tokens; the checkpoint holds no lock and
+    loads in a process that never imports hf_paged."""
     import copy
-    import io
+    import subprocess
+    import sys
 
+    from hf_paged.model import forward_lock
     from hf_paged.tiny import tiny_model
 
     model = tiny_model("llama")
     ids = torch.tensor([[5, 9, 30, 7, 11]])
     expected = model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="paged")
-    copied = copy.deepcopy(model)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    for other in (copied, loaded):
+    model.generate(ids, max_new_tokens=3, num_beams=2, cache=PagedCache(model.config))  # HF's loop, pages in place
+    LLM(model).generate([[5, 6, 7]], GREEDY, use_tqdm=False)  # every path that leaves state on the model ran
+    assert {"_hf_paged_forward_lock", "_hf_paged_reads_in_place", "_hf_paged_kv_shape"} <= set(vars(model))
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    code = ("import sys, torch; m = torch.load(sys.argv[1], weights_only=False); "
+            "assert 'hf_paged' not in sys.modules, 'loading needed hf_paged'; "
+            "print(m.generate(torch.tensor([[5, 9, 30, 7, 11]]), max_new_tokens=6, do_sample=False).tolist())")
+    plain = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert plain.stdout.strip() == str(expected.tolist())
+    loaded = torch.load(path, weights_only=False)
+    for other in (copy.deepcopy(model), loaded):
         assert torch.equal(other.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="paged"),
                            expected)
-        assert other.__dict__["_hf_paged_forward_lock"] is not model.__dict__["_hf_paged_forward_lock"]
+        assert forward_lock(other) is not forward_lock(model) and forward_lock(other) is forward_lock(other)

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import threading
 
+KEY = "_hf_paged_forward_lock"  # where the lock lives in the model's __dict__
+_PLACING = threading.Lock()  # serializes putting a first lock on a model (never held during a forward)
+
 
 class ForwardLock:
-    """A re-entrant lock that a copy of the model gets afresh: `copy.deepcopy(model)` and pickling (`torch.save`)
-    make a new model, which must not share (and cannot copy) the original's lock."""
+    """A re-entrant lock that a copy of the model gets afresh: `copy.deepcopy(model)` makes a new lock, and pickling
+    (`torch.save(model)`) stores no lock at all (it loads as `False`, without hf_paged installed, and the loaded
+    model gets a lock of its own on first use)."""
 
     __slots__ = ("_lock",)
 
@@ -29,11 +33,19 @@ class ForwardLock:
         return ForwardLock()
 
     def __reduce__(self):
-        return ForwardLock, ()
+        return bool, ()
 
 
 def forward_lock(model) -> ForwardLock:
     """The model's own lock (made on first use, kept on the model object): engines hold it for a whole forward, in
     which they switch the model's attention implementation and linear layers, so two engines (or threads) on one
-    model never interleave those switches and the model is always left as it was found."""
-    return model.__dict__.setdefault("_hf_paged_forward_lock", ForwardLock())  # dict.setdefault is atomic
+    model never interleave those switches and the model is always left as it was found. Every caller gets the same
+    lock object for one model."""
+    lock = model.__dict__.get(KEY)
+    if isinstance(lock, ForwardLock):
+        return lock
+    with _PLACING:  # first use, or a loaded model carrying the placeholder: place exactly one lock
+        lock = model.__dict__.get(KEY)
+        if not isinstance(lock, ForwardLock):
+            lock = model.__dict__[KEY] = ForwardLock()
+        return lock

@@ -58,6 +58,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/N
 WHEELS=${GPU_CHECK_WHEELS:-.whl}
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     SITE=${TMPDIR:-/tmp}/hf_paged_site
+    rm -rf "$SITE"  # no package left from an earlier run
     step wheels 120 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
         "$WHEELS"/*.whl
     export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}

@@ -62,6 +62,7 @@ def explain_divergences(model, prompts, rows_a, rows_b, limit: int = 16) -> list
     from conftest import divergence_in_fp32
 
     model32 = copy.deepcopy(model).float()
-    found = [(row, divergence_in_fp32(model32, prompts[row], rows_a[row], rows_b[row])) for row in range(limit)]
+    found = [(row, divergence_in_fp32(model32, prompts[row], rows_a[row], rows_b[row]))
+             for row in range(min(limit, len(rows_a)))]
     del model32
     return [(row, *d) for row, d in found if d is not None]

@@ -117,6 +117,7 @@ def divergence_in_fp32(model32, prompt: list[int], a: list[int], b: list[int]):
     """Where two greedy continuations `a`, `b` of `prompt` first differ, how close the choice was in exact-ish math:
     (step, |logit(a[step]) - logit(b[step])|, the top logit's bf16 spacing), both by `model32` (a float32 copy of the
     model) on the shared prefix. None where they agree. A gap of a few bf16 spacings is a rounding flip of bf16."""
+    assert len(a) == len(b), f"rows of {len(a)} and {len(b)} tokens: compare rows of equal length"
     step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if step is None:
         return None

@@ -194,7 +194,8 @@ def test_engine_swaps_through_the_copy_kernel_and_keeps_outputs():
 
     if cuda_backend.unavailable_reason(torch.device("cuda")):
         pytest.skip(cuda_backend.extension_status())
-    assert swap_copy(torch.device("cuda")) is cuda_backend.copy_blocks
+    assert swap_copy(torch.device("cuda"), "auto") is cuda_backend.copy_blocks
+    assert swap_copy(torch.device("cuda"), "torch") is not cuda_backend.copy_blocks  # no nvcc build for it
     model = tiny_model("llama", hidden=256, heads=4, kv_heads=2, max_len=512).cuda()
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (40, 33, 57, 21, 48, 36)]

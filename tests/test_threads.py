@@ -94,3 +94,35 @@ def test_a_model_hf_paged_ran_can_be_copied_and_saved(tmp_path):
         assert torch.equal(other.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation="paged"),
                            expected)
         assert forward_lock(other) is not forward_lock(model) and forward_lock(other) is forward_lock(other)
+
+
+def test_a_copy_taken_in_the_middle_of_a_forward_is_never_silently_wrong():
+    """A deepcopy taken while an engine's forward runs (here from a hook inside it; in life, another thread) carries
+    that forward's switches. Its swapped linear forwards are bound to the copy's own modules (never computing with
+    the original's weights) and dropped when the copy is first used; its attention implementation, still hf_paged's
+    internal "paged", makes hf_paged refuse the copy with a ValueError saying why and how to copy."""
+    import copy
+
+    import pytest
+
+    from hf_paged.tiny import tiny_model
+
+    model = tiny_model("llama")
+    copies = []
+
+    def take_copy(module, args, output):
+        if not copies and "forward" in vars(model.lm_head):  # the first forward that runs with swapped linears
+            copies.append(copy.deepcopy(model))
+
+    hook = model.model.layers[0].register_forward_hook(take_copy)
+    expected = tokens(LLM(model).generate([[5, 9, 30, 7, 11]], GREEDY, use_tqdm=False))
+    hook.remove()
+    twin = copies[0]
+    twin.model.layers[0]._forward_hooks.clear()
+    leftover = vars(twin.lm_head)["forward"]
+    assert leftover.__self__ is twin.lm_head  # bound to the copy: its own weights
+    with pytest.raises(ValueError, match="copied or saved while hf_paged was running"):
+        LLM(twin)
+    assert "forward" not in vars(twin.lm_head)  # dropped on first use
+    twin.config._attn_implementation_internal = "sdpa"  # what it was before the forward
+    assert tokens(LLM(twin).generate([[5, 9, 30, 7, 11]], GREEDY, use_tqdm=False)) == expected

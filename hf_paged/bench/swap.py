@@ -132,8 +132,9 @@ def worker(args, setup: dict) -> None:
     run = run_all(llm, hf_paged, prompts, setup["max_tokens"])
     engine.check_idle()
     bandwidth = {}
+    copy = [engine.memory.swap.copy] if engine.memory.swap is not None else []  # the pool's own copy
     for blocks in (8, 64):
-        samples = [measure_copy_bandwidth(engine.memory.cache, blocks) for _ in range(5)]
+        samples = [measure_copy_bandwidth(engine.memory.cache, blocks, *copy) for _ in range(5)]
         bandwidth[str(min(blocks, pool))] = {"median": statistics.median(samples), "samples": samples}
     bpt = engine.spec.kv.bytes_per_block(BLOCK) / BLOCK
     # prefill throughput the steps actually showed: steps that ran >= 64 tokens (as the engine's estimate)

@@ -39,11 +39,12 @@ def check_memory_budget(spec: KVCacheSpec, config: EngineConfig, num_blocks: int
                          f"{' or '.join(knobs)}")
 
 
-def swap_copy(device: torch.device) -> BlockCopy:
-    """How swaps move blocks: on CUDA, the extension's copy kernel where it builds (one launch however scattered
-    the blocks; 48-51 GB/s between an H200 and pinned host memory, against 1.2-6.8 GB/s for torch copies run by
-    run, in benchmarks/gpu_bench.py swap); else torch copies (kv.swap.copy_blocks)."""
-    if device.type == "cuda" and cuda_backend.unavailable_reason(device) is None:
+def swap_copy(device: torch.device, attention_backend: str) -> BlockCopy:
+    """How swaps move blocks: on CUDA, the extension's copy kernel (one launch however scattered the blocks; 48-51 GB/s
+    between an H200 and pinned host memory, against 1.2-6.8 GB/s for torch copies run by run, in
+    benchmarks/gpu_bench.py swap) when the attention backend may build the extension anyway ("auto", "cuda") and it
+    builds; else torch copies (kv.swap.copy_blocks), so that no other backend's engine waits for an nvcc build."""
+    if device.type == "cuda" and attention_backend in ("auto", "cuda") and cuda_backend.unavailable_reason(device) is None:
         return cuda_backend.copy_blocks
     return copy_blocks
 
@@ -79,7 +80,7 @@ class KVMemory:
                 raise ValueError("preemption_mode='swap' needs swap_space (bytes) for at least one block")
             return None
         logger.info("hf_paged swap space: %d blocks (%.1f MiB)", num_blocks, budget / 2**20)
-        return SwapPool(self.cache, int(num_blocks), swap_copy(spec.device))
+        return SwapPool(self.cache, int(num_blocks), swap_copy(spec.device, config.attention_backend))
 
     def apply(self, plan: StepPlan) -> None:
         """Run the plan's block moves: save swapped-out blocks, clear newly handed-out ones, copy-on-write copies,

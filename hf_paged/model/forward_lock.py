@@ -8,9 +8,9 @@ _PLACING = threading.Lock()  # serializes putting a first lock on a model (never
 
 
 class ForwardLock:
-    """A re-entrant lock that a copy of the model gets afresh: `copy.deepcopy(model)` makes a new lock, and pickling
-    (`torch.save(model)`) stores no lock at all (it loads as `False`, without hf_paged installed, and the loaded
-    model gets a lock of its own on first use)."""
+    """A re-entrant lock that copies of the model do not share: `copy.deepcopy(model)` and pickling
+    (`torch.save(model)`) leave `False` in its place (a checkpoint loads without hf_paged installed), and the copy
+    gets a lock of its own on first use."""
 
     __slots__ = ("_lock",)
 
@@ -30,7 +30,7 @@ class ForwardLock:
         return self._lock.__exit__(*exc)
 
     def __deepcopy__(self, memo):
-        return ForwardLock()
+        return False  # the copy gets a lock of its own on first use, after `check_not_copied_mid_forward`
 
     def __reduce__(self):
         return bool, ()
@@ -47,5 +47,32 @@ def forward_lock(model) -> ForwardLock:
     with _PLACING:  # first use, or a loaded model carrying the placeholder: place exactly one lock
         lock = model.__dict__.get(KEY)
         if not isinstance(lock, ForwardLock):
+            check_not_copied_mid_forward(model)
             lock = model.__dict__[KEY] = ForwardLock()
         return lock
+
+
+def check_not_copied_mid_forward(model) -> None:
+    """A model without a lock of its own is one nobody runs, so hf_paged's per-forward switches on it are leftovers
+    of a copy (`copy.deepcopy`, pickling) taken while another thread ran hf_paged on the original: swapped-in linear
+    forwards are dropped; an attention implementation still set to hf_paged's internal ones cannot be undone (what
+    it was is not known), so the model is refused."""
+    from .paged_forward import ATTENTION_NAME, SHAPES_NAME
+    from .small_linear import drop_leftover_forwards
+
+    drop_leftover_forwards(model)
+    stuck = {getattr(c, "_attn_implementation_internal", None) for c in _configs(model)} & {ATTENTION_NAME, SHAPES_NAME}
+    if stuck:
+        raise ValueError(f"this model's attention implementation is still {sorted(stuck)}: it was copied or saved "
+                         f"while hf_paged was running a forward of the original in another thread. Copy or save a "
+                         f"model between calls, or inside `with hf_paged.model.forward_lock(model):`")
+
+
+def _configs(model) -> list:
+    """The model's configs, its sub-models' included (each module's `config`, once)."""
+    found = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None:
+            found[id(config)] = config
+    return list(found.values())

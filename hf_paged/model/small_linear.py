@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import types
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -96,38 +97,51 @@ def _rows(x: torch.Tensor, limit: int) -> torch.Tensor | None:
     return rows if rows.shape[0] <= limit else None
 
 
-def _kernel_forward(module: torch.nn.Linear, kernel: SmallGemm):
-    # the module's parameters are read on every call: one replaced after the engine was built is used as it is now
-    def forward(input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear.forward's own parameter name
-        weight, bias = module.weight, module.bias
-        rows = _rows(input, KERNEL_MAX_ROWS)
-        if rows is None or not _kernel_takes(rows, weight, bias):
-            return torch.nn.functional.linear(input, weight, bias)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        return kernel(rows, weight, bias).view(*input.shape[:-1], weight.shape[0])
+# Both forwards are plain functions bound to their module (types.MethodType), not closures over it: a copy of the
+# model taken while they are swapped in (copy.deepcopy binds a method to the copied module) computes with its own
+# weights, and `drop_leftover_forwards` can recognize them. The parameters are read on every call: one replaced after
+# the engine was built is used as it is now.
+def _kernel_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    weight, bias = self.weight, self.bias
+    kernel = load_small_gemm()
+    rows = _rows(input, KERNEL_MAX_ROWS)
+    if kernel is None or rows is None or not _kernel_takes(rows, weight, bias):
+        return torch.nn.functional.linear(input, weight, bias)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return kernel(rows, weight, bias).view(*input.shape[:-1], weight.shape[0])
 
-    return forward
+
+def _small_batch_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    weight, bias = self.weight, self.bias
+    rows = _rows(input, MAX_ROWS)
+    if rows is None or weight.dim() != 2:
+        return torch.nn.functional.linear(input, weight, bias)
+    columns = rows.t()
+    if weight.shape[0] > CHUNK:  # each piece lands transposed in place: one pass over the output
+        out = rows.new_empty(rows.shape[0], weight.shape[0])
+        for i in range(0, weight.shape[0], CHUNK):
+            out[:, i:i + CHUNK] = torch.mm(weight[i:i + CHUNK], columns).t()
+    else:
+        out = torch.mm(weight, columns).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*input.shape[:-1], weight.shape[0])
 
 
-def _small_batch_forward(module: torch.nn.Linear):
-    def forward(input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear.forward's own parameter name
-        weight, bias = module.weight, module.bias
-        rows = _rows(input, MAX_ROWS)
-        if rows is None or weight.dim() != 2:
-            return torch.nn.functional.linear(input, weight, bias)
-        columns = rows.t()
-        if weight.shape[0] > CHUNK:  # each piece lands transposed in place: one pass over the output
-            out = rows.new_empty(rows.shape[0], weight.shape[0])
-            for i in range(0, weight.shape[0], CHUNK):
-                out[:, i:i + CHUNK] = torch.mm(weight[i:i + CHUNK], columns).t()
-        else:
-            out = torch.mm(weight, columns).t().contiguous()
-        if bias is not None:
-            out += bias
-        return out.view(*input.shape[:-1], weight.shape[0])
+OUR_FORWARDS = (_kernel_linear, _small_batch_linear)
 
-    return forward
+
+def drop_leftover_forwards(model: torch.nn.Module) -> int:
+    """Remove our swapped-in linear forwards from a model that nobody is running (a copy taken in the middle of an
+    engine's forward carries them); returns how many. Called when a model gets its forward lock."""
+    dropped = 0
+    for module in model.modules():
+        forward = vars(module).get("forward")
+        if isinstance(forward, types.MethodType) and forward.__func__ in OUR_FORWARDS:
+            del module.forward
+            dropped += 1
+    return dropped
 
 
 class SmallBatchLinears:
@@ -139,8 +153,8 @@ class SmallBatchLinears:
                         and type(m.weight.data) is torch.Tensor  # not a tp_plan DTensor shard
                         and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
         kernel = load_small_gemm() if self.modules else None
-        self.forwards = [_small_batch_forward(m) if kernel is None else _kernel_forward(m, kernel)
-                         for m in self.modules]
+        function = _small_batch_linear if kernel is None else _kernel_linear
+        self.forwards = [types.MethodType(function, m) for m in self.modules]
 
     @contextmanager
     def active(self):

@@ -38,6 +38,7 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "generation_config"):
         raise ValueError(f"{type(model).__name__} is not a transformers generative model")
+    forward_lock(model)  # placed now: a copy taken in the middle of an hf_paged forward is refused here
     model_type = getattr(config, "model_type", type(model).__name__)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"model type {model_type!r} is encoder-decoder; hf_paged serves decoder-only models")

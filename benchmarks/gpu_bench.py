@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table  # noqa: E402
-from gpu_parity import explain_divergences, parity  # noqa: E402
+from gpu_parity import parity  # noqa: E402
+from gpu_engine_parts import hf_padded_generate, step_times  # noqa: E402
 
 
 def _cuda():
@@ -258,6 +259,8 @@ def engine(outdir: Path, requests: int, max_tokens: int) -> dict:
                            "out_tok_s": requests * max_tokens / seconds,
                            "total_tok_s": (prompt_tokens + requests * max_tokens) / seconds})
     print(f"  hf_paged: {seconds:.2f} s, {requests * max_tokens / seconds:.0f} output tok/s", flush=True)
+    result["steps"] = step_times(llm, prompts, params)  # the same run again, step by step
+    print(f"  hf_paged step by step: {result['steps']}", flush=True)
     del llm
     torch.cuda.empty_cache()
 
@@ -286,39 +289,7 @@ def engine(outdir: Path, requests: int, max_tokens: int) -> dict:
         result["rows"].append({"system": "HF generate_batch", "error": f"{type(e).__name__}: {e}"[:500]})
         print(f"  HF generate_batch FAILED: {e}", flush=True)
 
-    try:  # HF padded generate: one left-padded batch of all the prompts
-        hf_paged.disable()
-        width = max(map(len, prompts))
-        ids = torch.zeros(requests, width, dtype=torch.long, device="cuda")
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        options = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-        with torch.no_grad():
-            model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, **options)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            padded = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                    **options)
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        same = sum(padded[row, width:].tolist() == paged_tokens[row] for row in range(requests))
-        result["rows"].append({"system": "HF generate (padded)", "seconds": seconds,
-                               "out_tok_s": requests * max_tokens / seconds,
-                               "total_tok_s": (prompt_tokens + requests * max_tokens) / seconds,
-                               "same_tokens_as_hf_paged": f"{same}/{requests}"})
-        print(f"  HF padded generate: {seconds:.2f} s ({same}/{requests} rows identical to hf_paged)", flush=True)
-        hf_rows = [padded[row, width:].tolist() for row in range(requests)]
-        result["generate_batch_vs_padded_same"] = sum(a == b for a, b in zip(hf_tokens, hf_rows))
-        result["divergences_vs_padded"] = explain_divergences(model, prompts, paged_tokens, hf_rows)
-        print(f"  generate_batch vs padded: {result['generate_batch_vs_padded_same']}/{requests} identical; hf_paged "
-              f"vs padded (row, step, fp32 gap, bf16 spacing): {result['divergences_vs_padded']}", flush=True)
-    except Exception as e:  # noqa: BLE001
-        result["rows"].append({"system": "HF generate (padded)", "error": f"{type(e).__name__}: {e}"[:500]})
-        print(f"  HF padded generate FAILED: {e}", flush=True)
-    finally:
-        hf_paged.enable()
+    hf_padded_generate(model, prompts, max_tokens, paged_tokens, hf_tokens, result)
 
     sw = _load(outdir, "swap")
     if sw.get("rows"):

@@ -1,0 +1,77 @@
+"""Parts of benchmarks/gpu_bench.py engine: HF padded generate on the same work, and the engine step by step."""
+from __future__ import annotations
+
+import statistics
+import time
+
+from gpu_parity import explain_divergences
+
+
+def step_times(llm, prompts, params) -> dict:
+    """Run `prompts` again through `llm`'s engine one step at a time (CUDA graphs already captured by the timed
+    run), synchronizing after each step: how many prefill-carrying and decode-only steps, their median and total
+    milliseconds, and the graphs' state. The prompts' blocks are still in the prefix cache, so its prefills are
+    shorter than the timed run's: read it for the decode steps."""
+    import torch
+
+    engine = llm.engine
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    kinds = {"prefill": [], "decode": []}
+    while engine.has_unfinished:
+        prompt_tokens = engine.stats()["num_prompt_tokens"]
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        kinds["prefill" if engine.stats()["num_prompt_tokens"] > prompt_tokens else "decode"].append(seconds)
+    graphs = engine.runner.graphs
+    summary = {kind: {"steps": len(times), "median_ms": statistics.median(times) * 1e3 if times else None,
+                      "total_s": sum(times)} for kind, times in kinds.items()}
+    summary["graphs"] = graphs.stats() if graphs is not None else None
+    return summary
+
+
+def hf_padded_generate(model, prompts, max_tokens: int, paged_tokens: list, hf_tokens: list, result: dict) -> None:
+    """HF padded `generate` (one left-padded batch of every prompt) on the same work as the engine: a row in
+    result["rows"], how many of its rows generate_batch matched, and where hf_paged's rows part from it (the float32
+    gap between the two tokens chosen, gpu_parity.explain_divergences)."""
+    import torch
+
+    import hf_paged
+
+    requests = len(prompts)
+    prompt_tokens = sum(map(len, prompts))
+    try:  # HF padded generate: one left-padded batch of all the prompts
+        hf_paged.disable()
+        width = max(map(len, prompts))
+        ids = torch.zeros(requests, width, dtype=torch.long, device="cuda")
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        options = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, **options)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            padded = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                    **options)
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        same = sum(padded[row, width:].tolist() == paged_tokens[row] for row in range(requests))
+        result["rows"].append({"system": "HF generate (padded)", "seconds": seconds,
+                               "out_tok_s": requests * max_tokens / seconds,
+                               "total_tok_s": (prompt_tokens + requests * max_tokens) / seconds,
+                               "same_tokens_as_hf_paged": f"{same}/{requests}"})
+        print(f"  HF padded generate: {seconds:.2f} s ({same}/{requests} rows identical to hf_paged)", flush=True)
+        hf_rows = [padded[row, width:].tolist() for row in range(requests)]
+        result["generate_batch_vs_padded_same"] = sum(a == b for a, b in zip(hf_tokens, hf_rows))
+        result["divergences_vs_padded"] = explain_divergences(model, prompts, paged_tokens, hf_rows)
+        print(f"  generate_batch vs padded: {result['generate_batch_vs_padded_same']}/{requests} identical; hf_paged "
+              f"vs padded (row, step, fp32 gap, bf16 spacing): {result['divergences_vs_padded']}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        result["rows"].append({"system": "HF generate (padded)", "error": f"{type(e).__name__}: {e}"[:500]})
+        print(f"  HF padded generate FAILED: {e}", flush=True)
+    finally:
+        hf_paged.enable()

@@ -99,8 +99,8 @@ def test_a_model_hf_paged_ran_can_be_copied_and_saved(tmp_path):
 def test_a_copy_taken_in_the_middle_of_a_forward_is_never_silently_wrong():
     """A deepcopy taken while an engine's forward runs (here from a hook inside it; in life, another thread) carries
     that forward's switches. Its swapped linear forwards are bound to the copy's own modules (never computing with
-    the original's weights) and dropped when the copy is first used; its attention implementation, still hf_paged's
-    internal "paged", makes hf_paged refuse the copy with a ValueError saying why and how to copy."""
+    the original's weights) and dropped when the copy is first used; its config, still marked as switched, makes
+    hf_paged refuse the copy with a ValueError saying why and how to copy."""
     import copy
 
     import pytest
@@ -124,5 +124,5 @@ def test_a_copy_taken_in_the_middle_of_a_forward_is_never_silently_wrong():
     with pytest.raises(ValueError, match="copied or saved while hf_paged was running"):
         LLM(twin)
     assert "forward" not in vars(twin.lm_head)  # dropped on first use
-    twin.config._attn_implementation_internal = "sdpa"  # what it was before the forward
-    assert tokens(LLM(twin).generate([[5, 9, 30, 7, 11]], GREEDY, use_tqdm=False)) == expected
+    assert model.config._attn_implementation == "sdpa" and not [k for k in vars(model.config) if "hf_paged" in k]
+    assert tokens(LLM(copy.deepcopy(model)).generate([[5, 9, 30, 7, 11]], GREEDY, use_tqdm=False)) == expected

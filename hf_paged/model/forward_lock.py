@@ -53,19 +53,19 @@ def forward_lock(model) -> ForwardLock:
 
 
 def check_not_copied_mid_forward(model) -> None:
-    """A model without a lock of its own is one nobody runs, so hf_paged's per-forward switches on it are leftovers
-    of a copy (`copy.deepcopy`, pickling) taken while another thread ran hf_paged on the original: swapped-in linear
-    forwards are dropped; an attention implementation still set to hf_paged's internal ones cannot be undone (what
-    it was is not known), so the model is refused."""
-    from .paged_forward import ATTENTION_NAME, SHAPES_NAME
+    """A model without a lock of its own is one nobody runs, so hf_paged's per-forward switches found on it are
+    leftovers of a copy (`copy.deepcopy`, pickling) taken while another thread ran hf_paged on the original: its
+    swapped-in linear forwards are dropped, and a config still marked as switched (its attention implementation,
+    maybe module patches, are those of the middle of a forward, not the model's own) makes the model refused."""
+    from .paged_forward import SWITCHED
     from .small_linear import drop_leftover_forwards
 
     drop_leftover_forwards(model)
-    stuck = {getattr(c, "_attn_implementation_internal", None) for c in _configs(model)} & {ATTENTION_NAME, SHAPES_NAME}
+    stuck = sorted({vars(c)[SWITCHED] for c in _configs(model) if SWITCHED in vars(c)})
     if stuck:
-        raise ValueError(f"this model's attention implementation is still {sorted(stuck)}: it was copied or saved "
-                         f"while hf_paged was running a forward of the original in another thread. Copy or save a "
-                         f"model between calls, or inside `with hf_paged.model.forward_lock(model):`")
+        raise ValueError(f"this model was copied or saved while hf_paged was running a forward of the original in "
+                         f"another thread (its attention is still switched to {stuck}): copy or save a model between "
+                         f"calls, or inside `with hf_paged.model.forward_lock(model):`")
 
 
 def _configs(model) -> list:

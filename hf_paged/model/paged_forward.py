@@ -11,6 +11,7 @@ from ..attention import AttentionBackends, AttentionMetadata, LayerExtras, store
 from ..kv import KVCache
 
 ATTENTION_NAME = "paged"
+SWITCHED = "_hf_paged_switched_to"  # on a config while hf_paged has switched its attention
 SHAPES_NAME = "hf_paged_kv_shapes"  # the attention implementation that records K/V shapes (record_kv_shapes)
 PASSED_DOWN = ("paged_context", "hf_paged_kv_shapes")  # forward keywords ModulePatches hands to attention modules
 
@@ -303,17 +304,22 @@ def attention_implementation(configs: list, name: str):
     among `configs` are installed for the same duration."""
     patches = [c for c in configs if isinstance(c, ModulePatches)]
     configs = [c for c in configs if not isinstance(c, ModulePatches)]
-    saved = [c._attn_implementation_internal for c in configs]
+    saved = [(c._attn_implementation_internal, vars(c).get(SWITCHED)) for c in configs]
     try:
         for c in configs:
             c._attn_implementation_internal = name
+            vars(c)[SWITCHED] = name  # marks a copy taken now (forward_lock.check_not_copied_mid_forward)
         with ExitStack() as stack:
             for p in patches:
                 stack.enter_context(p.installed())
             yield
     finally:
-        for c, value in zip(configs, saved):
+        for c, (value, marker) in zip(configs, saved):
             c._attn_implementation_internal = value
+            if marker is None:
+                vars(c).pop(SWITCHED, None)
+            else:
+                vars(c)[SWITCHED] = marker
 
 
 def record_kv_shapes(module, query, key, value, attention_mask, *args, hf_paged_kv_shapes=None, **kwargs):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import fp32_divergences, left_padded_batch  # noqa: E402
 
 PARITY_ARCHS = ("llama", "qwen3", "gemma2", "gpt2", "mixtral")
 
@@ -17,14 +19,8 @@ def parity(outdir: Path) -> dict:
     from hf_paged.tiny import tiny_model
 
     lengths = [5, 17, 40, 3, 64, 90, 33, 8]
-    gen = torch.Generator().manual_seed(0)
     width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, 256, (n,), generator=gen)
-        mask[row, width - n:] = 1
-    ids, mask = ids.cuda(), mask.cuda()
+    ids, mask = (t.cuda() for t in left_padded_batch(lengths))
     options = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
     rows = []
     for arch in PARITY_ARCHS:
@@ -55,14 +51,5 @@ def parity(outdir: Path) -> dict:
 
 def explain_divergences(model, prompts, rows_a, rows_b, limit: int = 16) -> list:
     """For the first `limit` rows: where rows_a and rows_b part, the float32 gap between the two tokens chosen and
-    the bf16 spacing of the top logit (tests/conftest.py's divergence_in_fp32), on a float32 copy of `model`."""
-    import copy
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from conftest import divergence_in_fp32
-
-    model32 = copy.deepcopy(model).float()
-    found = [(row, divergence_in_fp32(model32, prompts[row], rows_a[row], rows_b[row]))
-             for row in range(min(limit, len(rows_a)))]
-    del model32
-    return [(row, *d) for row, d in found if d is not None]
+    the bf16 spacing of the top logit (tests/conftest.py's fp32_divergences)."""
+    return fp32_divergences(model, prompts[:limit], rows_a[:limit], rows_b[:limit])

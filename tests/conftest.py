@@ -127,6 +127,17 @@ def divergence_in_fp32(model32, prompt: list[int], a: list[int], b: list[int]):
     return step, abs(float(logits[a[step]] - logits[b[step]])), bf16_ulp(float(logits.max()))
 
 
+
+def fp32_divergences(model, prompts, rows_a, rows_b) -> list:
+    """(row, step, fp32 gap, bf16 spacing) for every row where `rows_a` and `rows_b` (greedy continuations of
+    `prompts`) part, each judged by `divergence_in_fp32` on one float32 copy of `model`."""
+    import copy
+
+    model32 = copy.deepcopy(model).float()
+    found = [(row, divergence_in_fp32(model32, p, a, b)) for row, (p, a, b) in enumerate(zip(prompts, rows_a, rows_b))]
+    return [(row, *d) for row, d in found if d is not None]
+
+
 def pytest_collection_modifyitems(config, items):
     """Without CUDA, tests marked `gpu` (all of tests/test_gpu.py, by its `pytestmark`) are deselected, not skipped."""
     if HAS_CUDA:

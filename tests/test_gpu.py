@@ -161,15 +161,11 @@ def test_engine_auto_backend_matches_torch_backend(dtype):
 def assert_bf16_flips_only(model, prompts, rows_a, rows_b, spacings: float = 4.0):
     """bf16 rows may part where the two tokens chosen are within a few bf16 spacings of each other in float32 math
     (the kernels round in a different order); a wider gap is a real difference."""
-    import copy
+    from conftest import fp32_divergences
 
-    from conftest import divergence_in_fp32
-
-    model32 = copy.deepcopy(model).float()
-    found = [(row, divergence_in_fp32(model32, p, a, b)) for row, (p, a, b) in enumerate(zip(prompts, rows_a, rows_b))]
-    found = [(row, d) for row, d in found if d is not None]
-    print(f"\nbf16 divergences (row, (step, fp32 gap, bf16 spacing)): {found}")
-    assert all(gap <= spacings * spacing for _, (_, gap, spacing) in found), found
+    found = fp32_divergences(model, prompts, rows_a, rows_b)
+    print(f"\nbf16 divergences (row, step, fp32 gap, bf16 spacing): {found}")
+    assert all(gap <= spacings * spacing for _, _, gap, spacing in found), found
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt2", "mixtral"])

@@ -69,10 +69,9 @@ def check_not_copied_mid_forward(model) -> None:
 
 
 def _configs(model) -> list:
-    """The model's configs, its sub-models' included (each module's `config`, once)."""
-    found = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None:
-            found[id(config)] = config
-    return list(found.values())
+    """The configs hf_paged switches (`spec.describe_model`): the model's config and its text (decoder) config."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return [config] if text is config else [config, text]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table  # noqa: E402
 from gpu_parity import parity  # noqa: E402
-from gpu_engine_parts import hf_padded_generate, step_times  # noqa: E402
+from gpu_engine_parts import hf_padded_generate, profile, step_times  # noqa: E402
 
 
 def _cuda():
@@ -157,10 +157,16 @@ def decode(outdir: Path) -> dict:
     case16 = decode_case(64, 2048, block_size=16, **llama8b)
     for backend in ("cuda", "flash3", "flashinfer", "triton", "torch"):
         measure("b64 ctx2048 block16", backend, case16)
-    if cuda_backend.unavailable_reason(torch.device("cuda")) is None:
+    cuda_ok = cuda_backend.unavailable_reason(torch.device("cuda")) is None
+    if cuda_ok:
         for partition in (-1, 256, 512, 1024):
             measure("b64 ctx2048 block16", "cuda", case16, partition_size=partition)
     del case16
+    if cuda_ok:  # the split rule's middle ground: 128 thread blocks on 132 SMs
+        mid = decode_case(16, 4096, block_size=16, **llama8b)
+        for partition in (0, -1, 512, 1024):
+            measure("b16 ctx4096 block16", "cuda", mid, partition_size=partition)
+        del mid
     case256 = decode_case(64, 2048, block_size=256, **llama8b)
     for backend in ("flash2", "cuda", "flash3", "flashinfer"):
         measure("b64 ctx2048 block256", backend, case256)
@@ -168,7 +174,7 @@ def decode(outdir: Path) -> dict:
     long = decode_case(4, 32768, block_size=16, **llama8b)
     for backend in ("cuda", "flash3", "flashinfer", "triton"):
         measure("b4 ctx32768 block16", backend, long)
-    if cuda_backend.unavailable_reason(torch.device("cuda")) is None:
+    if cuda_ok:
         measure("b4 ctx32768 block16", "cuda", long, partition_size=-1)
     return {"copy_GBps": copy_gbps, "rows": rows, "cuda_extension": cuda_backend.extension_status()}
 
@@ -259,7 +265,18 @@ def engine(outdir: Path, requests: int, max_tokens: int) -> dict:
                            "out_tok_s": requests * max_tokens / seconds,
                            "total_tok_s": (prompt_tokens + requests * max_tokens) / seconds})
     print(f"  hf_paged: {seconds:.2f} s, {requests * max_tokens / seconds:.0f} output tok/s", flush=True)
-    result["steps"] = step_times(llm, prompts, params)  # the same run again, step by step
+    # a second call on new prompts of the same lengths (no prefix hits): decode graphs are captured by now
+    other = [[rng.randrange(3, MODEL["vocab_size"]) for _ in prompt] for prompt in prompts]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate(other, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    again = time.perf_counter() - start
+    result["rows"].append({"system": "hf_paged (auto), 2nd call", "seconds": again,
+                           "out_tok_s": requests * max_tokens / again,
+                           "total_tok_s": (prompt_tokens + requests * max_tokens) / again})
+    print(f"  hf_paged, second call: {again:.2f} s", flush=True)
+    result["steps"] = step_times(llm, prompts, params)  # the first run again, step by step
     print(f"  hf_paged step by step: {result['steps']}", flush=True)
     del llm
     torch.cuda.empty_cache()
@@ -345,7 +362,7 @@ def table(outdir: Path) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("step", choices=("ceilings", "decode", "swap", "engine", "parity", "table"))
+    parser.add_argument("step", choices=("ceilings", "decode", "swap", "engine", "parity", "profile", "table"))
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -366,6 +383,8 @@ def main() -> int:
         data = swap(args.outdir)
     elif args.step == "parity":
         data = parity(args.outdir)
+    elif args.step == "profile":
+        data = profile(args.outdir, args.requests, MODEL)
     else:
         data = engine(args.outdir, args.requests, args.max_tokens)
     _save(args.outdir, args.step, data)

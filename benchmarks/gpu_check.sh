@@ -11,7 +11,8 @@
 # 4. pytest -m gpu (tests/test_gpu.py: every available backend vs the float64 reference, the CUDA kernels)
 # 5. decode attention per backend as achieved GB/s vs the copy ceiling
 # 6. swap bandwidth: one copy per block vs contiguous runs vs the copy_blocks kernel
-# 7. engine vs transformers' generate_batch on a random ~1.1B Llama (bf16), and the swap/recompute break-even
+# 7. engine vs transformers' generate_batch on a random ~1.1B Llama (bf16), and the swap/recompute break-even;
+#    parity with HF; the engine's step phase by phase, graphs on and off (OUTDIR/profile_graphs_*.txt)
 # 8. a short summary table (also in OUTDIR/summary.txt)
 #
 # Wheels for a machine whose transformers is older than 5.24 and which has no network (2026-12-04, an H200 image
@@ -22,7 +23,8 @@
 #
 # Every step has its own time limit and log (OUTDIR/<step>.log); a failing step does not stop the others. All steps
 # share one deadline (GPU_CHECK_BUDGET seconds, default 480): a step gets at most what is left of it, and is skipped
-# when nothing is. Without CUDA the python steps print "skipped: no CUDA" (a CPU dry run).
+# when nothing is. GPU_CHECK_STEPS="build decode ..." runs only the steps named (default: all; wheels and versions
+# always run). Without CUDA the python steps print "skipped: no CUDA" (a CPU dry run).
 set -u
 OUTDIR=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR}
 mkdir -p "$OUTDIR"
@@ -37,6 +39,7 @@ STATUS=()
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/NAME.log, remember the outcome
     local name=$1 limit=$2
     shift 2
+    case " wheels versions ${GPU_CHECK_STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
     local start=$SECONDS left=$((BUDGET - SECONDS - 5))
     if [ $left -lt 10 ]; then
         STATUS+=("$(printf '%-10s %-10s' "$name" "no time left")")
@@ -97,6 +100,7 @@ step decode 60 $PY benchmarks/gpu_bench.py decode "$OUTDIR"
 step swap 45 $PY benchmarks/gpu_bench.py swap "$OUTDIR"
 step engine 150 $PY benchmarks/gpu_bench.py engine "$OUTDIR"
 step parity 90 $PY benchmarks/gpu_bench.py parity "$OUTDIR"
+step profile 120 $PY benchmarks/gpu_bench.py profile "$OUTDIR"
 step pytest_kernels 150 $GPU_PYTEST -k "matches_float64 or decode_kernel_variants" --maxfail=20
 
 # 9. summary

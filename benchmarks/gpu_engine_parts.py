@@ -1,6 +1,7 @@
 """Parts of benchmarks/gpu_bench.py engine: HF padded generate on the same work, and the engine step by step."""
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
@@ -75,3 +76,80 @@ def hf_padded_generate(model, prompts, max_tokens: int, paged_tokens: list, hf_t
         print(f"  HF padded generate FAILED: {e}", flush=True)
     finally:
         hf_paged.enable()
+
+
+def engine_phases(model, prompts, max_tokens: int, outdir, **options) -> dict:
+    """Where an engine step's time goes on the GPU, with and without decode graphs: each step timed phase by phase
+    (schedule / block moves / forward + sampling / update, a synchronize after each), then torch.profiler over a few
+    decode steps (its top operators by host and by device time go to OUTDIR/profile_<graphs>.txt)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import hf_paged
+
+    params = hf_paged.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    options = {"block_size": 16, "max_num_seqs": 256, "max_num_batched_tokens": 8192, "kv_cache_memory": 16 * 2**30,
+               "attention_backend": "auto", "enable_prefix_caching": False, **options}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # (a CPU dry run)
+    result = {}
+    for graphs in (True, False):
+        llm = hf_paged.LLM(model, cuda_graphs=graphs, **options)
+        engine = llm.engine
+        llm.generate(prompts, hf_paged.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                     use_tqdm=False)  # warm-up: kernels built, the 64-row decode graph captured
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        phases = {"prefill": [], "decode": []}
+        while engine.has_unfinished:
+            marks = [time.perf_counter()]
+            plan = engine.scheduler.schedule()
+            marks.append(time.perf_counter())
+            engine.memory.apply(plan)
+            sync()
+            marks.append(time.perf_counter())
+            outcome = engine.runner.run(plan, engine.sampler)
+            sync()
+            marks.append(time.perf_counter())
+            engine.scheduler.update(plan, outcome)
+            marks.append(time.perf_counter())
+            kind = "decode" if all(n == 1 for n in plan.num_new_tokens) else "prefill"
+            phases[kind].append([(b - a) * 1e3 for a, b in zip(marks, marks[1:])])
+        names = ("schedule", "moves", "run", "update")
+        summary = {kind: {"steps": len(rows), **{name: statistics.median(r[i] for r in rows) if rows else None
+                                                 for i, name in enumerate(names)}}
+                   for kind, rows in phases.items()}
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        for _ in range(3):  # the prefill steps
+            engine.step()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            sync()
+        while engine.has_unfinished:
+            engine.step()
+        averages = prof.key_averages()
+        text = "\n\n".join(averages.table(sort_by=key, row_limit=25)
+                           for key in ("self_cpu_time_total", "self_device_time_total"))
+        (outdir / f"profile_graphs_{graphs}.txt").write_text(text)
+        summary["graphs_state"] = engine.runner.graphs.stats() if engine.runner.graphs is not None else None
+        result[f"graphs={graphs}"] = summary
+        print(f"  graphs={graphs}: median ms per phase {summary}", flush=True)
+        del llm, engine
+        torch.cuda.empty_cache()
+    return result
+
+
+def profile(outdir, requests: int, model_config: dict) -> dict:
+    """The engine's step on the ~1.1B Llama of gpu_bench (bf16), phase by phase, graphs on and off."""
+    import torch
+
+    from hf_paged.tiny import tiny_model
+
+    with torch.device("cuda"):
+        model = tiny_model("llama", seed=0, sharpen=1.0, dtype=torch.bfloat16, **model_config)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, model_config["vocab_size"]) for _ in range(rng.randint(128, 512))]
+               for _ in range(requests)]
+    return engine_phases(model, prompts, 32, outdir)

@@ -195,7 +195,7 @@ class Scheduler:
             return False
         device = self.kv.allocate_blocks(len(request.swapped_blocks))
         request.block_table = device
-        plan.swap_in.append((request.swapped_blocks, device))
+        plan.swap_in.append((request.swapped_blocks, list(device)))  # a copy: the table grows on in this step
         request.swapped_blocks = []
         self.counters["num_swap_ins"] += 1
         return True

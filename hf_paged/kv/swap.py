@@ -12,6 +12,8 @@ from .cache import KVCache
 def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """Split a block-to-block mapping into (src_start, dst_start, length) runs where both sides are consecutive,
     so a whole request usually moves as a few large copies instead of one per block."""
+    if len(src) != len(dst):
+        raise ValueError(f"a block copy needs as many destinations as sources, got {len(src)} and {len(dst)}")
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst):
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:

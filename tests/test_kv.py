@@ -105,3 +105,13 @@ def test_copy_blocks_moves_exactly_the_named_blocks(piecewise):
     for s, d in zip(src_ids, dst_ids):
         expected[:, :, d] = src[:, :, s]
     assert torch.equal(dst, expected)
+
+
+def test_copy_blocks_refuses_unequal_lists():
+    """A block copy with more destinations than sources is a caller's bug (a swap-in's list once grew with the
+    request's table): it raises instead of pairing up what zip() would."""
+    from hf_paged.kv.swap import copy_blocks
+
+    src, dst = torch.zeros(1, 2, 4, 2), torch.zeros(1, 2, 4, 2)
+    with pytest.raises(ValueError, match="as many destinations as sources"):
+        copy_blocks(src, dst, [0, 1], [2, 3, 1])

@@ -133,17 +133,19 @@ def test_unknown_or_unavailable_backend_is_a_clear_error():
 @pytest.mark.parametrize("head_dim, heads, kv_heads, window, softcap", [
     (64, 8, 2, None, None), (128, 8, 1, None, None), (80, 4, 4, 37, None), (64, 16, 2, 100, 4.0)])
 def test_native_cpu_decode_kernel_builds_and_matches_reference(head_dim, heads, kv_heads, window, softcap):
-    """Many decodes only (the kernel's case), long uneven contexts over a shuffled pool; the head dims the
-    kernel specializes (64, 128) and a generic one, GQA / MQA / MHA, sliding window and softcap."""
+    """Decodes only (the kernel's case), long uneven contexts over a shuffled pool; the head dims the kernel
+    specializes (64, 128) and a generic one, GQA / MQA / MHA, sliding window and softcap. 2 sequences (an item per
+    kv head, so few sequences still use every thread) and 40 (an item per sequence, all its kv heads)."""
     assert cpu_kernel_status() == "loaded"
-    seqs = [(1, n) for n in (1, 15, 16, 17, 100, 257, 64, 3, 190, 33)]
-    query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, heads, kv_heads, head_dim, 16, torch.float32,
-                                                             seed=5 + head_dim)
-    scale = head_dim ** -0.5
-    ref = reference(query, keys, values, [1] * len(seqs), scale, window, softcap)
-    native = paged_attention(query, kc, vc, cu, ctx, tables, scale=scale, sliding_window=window, softcap=softcap,
-                             backend="auto")
-    torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=2e-5)
+    lengths = (1, 15, 16, 17, 100, 257, 64, 3, 190, 33)
+    for seqs in ([(1, n) for n in lengths[4:6]], [(1, n) for n in lengths * 4]):
+        query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, heads, kv_heads, head_dim, 16, torch.float32,
+                                                                 seed=5 + head_dim)
+        scale = head_dim ** -0.5
+        ref = reference(query, keys, values, [1] * len(seqs), scale, window, softcap)
+        native = paged_attention(query, kc, vc, cu, ctx, tables, scale=scale, sliding_window=window,
+                                 softcap=softcap, backend="auto")
+        torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")

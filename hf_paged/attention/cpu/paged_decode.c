@@ -5,10 +5,14 @@
  * block_tables:  [num_seqs, max_blocks] int64;  context_lens: [num_seqs] int64 (new token included)
  * scores:        scratch, [num_seqs, num_heads, max_context]
  *
- * Work item = one (sequence, kv head) pair, spread over OpenMP threads (built with -fopenmp, the library binds
- * to the libgomp torch already loaded, so both share one thread pool). An item walks its block table block
- * by block once (no per-token division), reads each K row and V row of its kv head once, and serves all query
- * heads of the GQA group from it. The query sits at position pos = context_len - 1 (bottom-right); a sliding window
+ * Work item = one sequence (all its kv heads: each token's K and V rows are then one contiguous read, a block one
+ * run of memory), or one (sequence, kv head) pair when there are too few sequences to keep every thread busy; items
+ * are spread over OpenMP threads (built with -fopenmp, the library binds to the libgomp torch already loaded, so both
+ * share one thread pool). An item walks its block table block by block once (no per-token division), reads each K
+ * row and V row once, prefetching rows a few keys ahead (blocks are scattered: the hardware prefetcher stops at
+ * each block's end), and serves all query heads of each GQA group from them. On a 2-vCPU EPYC, 64 sequences of
+ * 40-240 keys, 8 layers (K/V far beyond the caches): 8.1 ms per step with an item per kv head and no prefetch,
+ * 4.5-4.7 ms now. The query sits at position pos = context_len - 1 (bottom-right); a sliding window
  * keeps keys k > pos - window, an attention chunk C keys k >= (pos / C) * C. Softcap applies tanh(s / cap) * cap to
  * scaled scores; ALiBi (`alibi`: [num_heads] slopes, or NULL) then adds slope * (k - pos); a sink (`sinks`:
  * [num_heads] logits, or NULL) joins each head's softmax denominator with no value. A key mask (`key_mask`:
@@ -16,6 +20,7 @@
  * whose keys are all left out gets zeros.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,28 +66,40 @@ static int64_t attended_keys(const int64_t *restrict table, int64_t start, int64
     return count;
 }
 
-/* One (sequence, kv head) item over its `count` keys. `head_dim` is a compile-time constant at the specialized call
- * sites below, which lets the compiler unroll the per-row loops completely. `offsets`, `tokens` as filled by
- * attended_keys; the query sits at position ctx - 1. */
+/* Rows are read through a list of offsets into scattered blocks, which the hardware prefetcher cannot follow across
+ * a block boundary: each pass asks for the row PREFETCH_AHEAD keys ahead itself. */
+#define PREFETCH_AHEAD 8
+ALWAYS_INLINE void prefetch_row(const float *row, int64_t floats) {
+    for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(row + f, 0, 3);
+}
+
+/* One item: `num_kv` consecutive kv heads of one sequence (their per_kv query heads each) over its `count` keys.
+ * `head_dim` is a compile-time constant at the specialized call sites below, which lets the compiler unroll the
+ * per-row loops completely. `offsets`, `tokens` as filled by attended_keys (offsets of the item's first kv head); the
+ * query sits at position ctx - 1. */
 ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict key_cache,
                                const float *restrict value_cache, const int64_t *restrict offsets,
                                const int64_t *restrict tokens, float *restrict sg, float *restrict og, int64_t ctx,
-                               int64_t count, int64_t per_kv, int64_t head_dim,
+                               int64_t count, int64_t per_kv, int64_t num_kv, int64_t head_dim,
                                int64_t max_context, float scale, float softcap, const float *restrict alibi,
                                const float *restrict sinks) {
-    for (int64_t i = 0; i < per_kv * head_dim; ++i) og[i] = 0.f;
+    const int64_t heads = num_kv * per_kv;
+    for (int64_t i = 0; i < heads * head_dim; ++i) og[i] = 0.f;
     if (count == 0) return;
     for (int64_t i = 0; i < count; ++i) {
-        const float *restrict k = key_cache + offsets[i];
-        for (int64_t g = 0; g < per_kv; ++g) {
-            const float *restrict qh = qg + g * head_dim;
-            float acc = 0.f;
+        if (i + PREFETCH_AHEAD < count) prefetch_row(key_cache + offsets[i + PREFETCH_AHEAD], num_kv * head_dim);
+        for (int64_t kv = 0; kv < num_kv; ++kv) {
+            const float *restrict k = key_cache + offsets[i] + kv * head_dim;
+            for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
+                const float *restrict qh = qg + g * head_dim;
+                float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-            for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
-            sg[g * max_context + i] = acc * scale;
+                for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
+                sg[g * max_context + i] = acc * scale;
+            }
         }
     }
-    for (int64_t g = 0; g < per_kv; ++g) {
+    for (int64_t g = 0; g < heads; ++g) {
         float *restrict sh = sg + g * max_context;
         if (softcap > 0.f)
             for (int64_t i = 0; i < count; ++i) sh[i] = tanhf(sh[i] / softcap) * softcap;
@@ -101,12 +118,15 @@ ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict k
         for (int64_t i = 0; i < count; ++i) sh[i] *= inv;
     }
     for (int64_t i = 0; i < count; ++i) {
-        const float *restrict v = value_cache + offsets[i];
-        for (int64_t g = 0; g < per_kv; ++g) {
-            const float w = sg[g * max_context + i];
-            float *restrict o = og + g * head_dim;
+        if (i + PREFETCH_AHEAD < count) prefetch_row(value_cache + offsets[i + PREFETCH_AHEAD], num_kv * head_dim);
+        for (int64_t kv = 0; kv < num_kv; ++kv) {
+            const float *restrict v = value_cache + offsets[i] + kv * head_dim;
+            for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
+                const float w = sg[g * max_context + i];
+                float *restrict o = og + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
+                for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
+            }
         }
     }
 }
@@ -119,19 +139,24 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
                       int64_t mask_stride, int64_t first, int64_t last) {
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) for all kv heads: contiguous */
+    /* Enough sequences to keep every thread busy: an item is a whole sequence, which reads each token's K and V
+     * rows of all kv heads as one contiguous stretch (a block is then one run of memory). Otherwise an item is one
+     * kv head of a sequence, so few sequences still spread over the threads. */
+    const int64_t kv_per_item = last - first >= 4 * omp_get_max_threads() ? num_kv_heads : 1;
+    const int64_t items_per_seq = num_kv_heads / kv_per_item;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = first * num_kv_heads; item < last * num_kv_heads; ++item) {
-        const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
+    for (int64_t item = first * items_per_seq; item < last * items_per_seq; ++item) {
+        const int64_t seq = item / items_per_seq, kv = item % items_per_seq * kv_per_item;
         const int64_t ctx = context_lens[seq];
         int64_t start = (window > 0 && ctx > window) ? ctx - window : 0;
         if (chunk > 0 && (ctx - 1) / chunk * chunk > start) start = (ctx - 1) / chunk * chunk;
-        const int64_t head0 = seq * num_heads + kv * per_kv; /* first query head of the group */
+        const int64_t head0 = seq * num_heads + kv * per_kv; /* first query head of the item */
         const float *qg = q + head0 * head_dim;
         float *sg = scores + head0 * max_context;
         float *og = out + head0 * head_dim;
         int64_t *offsets = malloc((size_t)(ctx - start) * 2 * sizeof *offsets);
         if (offsets == NULL) { /* cannot happen for sane sizes; leave a NaN row rather than crash the process */
-            for (int64_t i = 0; i < per_kv * head_dim; ++i) og[i] = NAN;
+            for (int64_t i = 0; i < kv_per_item * per_kv * head_dim; ++i) og[i] = NAN;
             continue;
         }
         int64_t *tokens = offsets + (ctx - start);
@@ -140,8 +165,8 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
                                             kv * head_dim, mask, offsets, tokens);
         const float *alibi_g = alibi != NULL ? alibi + kv * per_kv : NULL;
         const float *sinks_g = sinks != NULL ? sinks + kv * per_kv : NULL;
-#define ITEM(D) decode_item(qg, key_cache, value_cache, offsets, tokens, sg, og, ctx, count, per_kv, D, max_context, \
-                            scale, softcap, alibi_g, sinks_g)
+#define ITEM(D) decode_item(qg, key_cache, value_cache, offsets, tokens, sg, og, ctx, count, per_kv, kv_per_item, D, \
+                            max_context, scale, softcap, alibi_g, sinks_g)
         switch (head_dim) {
             case 64: ITEM(64); break;
             case 128: ITEM(128); break;

@@ -20,10 +20,15 @@
  * whose keys are all left out gets zeros.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_max_threads(void) { return 1; }
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import format_table  # noqa: E402
 from gpu_parity import parity  # noqa: E402
-from gpu_engine_parts import hf_padded_generate, profile, step_times  # noqa: E402
+from gpu_engine_parts import (hf_padded_generate, llama_and_prompts, profile, step_times,  # noqa: E402
+                              timed_generate)
 
 
 def _cuda():
@@ -225,7 +226,7 @@ def swap(outdir: Path) -> dict:
     return {"shape": s, "block_bytes": block_bytes, "rows": rows}
 
 
-# ---- engine vs HF ----
+# ---- engine vs HF -----------------------------------------------------------------------------------------
 MODEL = dict(vocab_size=32000, hidden=2048, layers=16, heads=32, kv_heads=8, max_len=4096, intermediate_size=8192)
 
 
@@ -233,13 +234,9 @@ def engine(outdir: Path, requests: int, max_tokens: int) -> dict:
     import torch
 
     import hf_paged
-    from hf_paged.tiny import tiny_model
 
-    with torch.device("cuda"):
-        model = tiny_model("llama", seed=0, sharpen=1.0, dtype=torch.bfloat16, **MODEL)
+    model, prompts = llama_and_prompts(MODEL, requests)
     params_count = sum(p.numel() for p in model.parameters())
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, MODEL["vocab_size"]) for _ in range(rng.randint(128, 512))] for _ in range(requests)]
     prompt_tokens = sum(map(len, prompts))
     result = {"model": MODEL, "params": params_count, "requests": requests, "max_tokens": max_tokens,
               "prompt_tokens": prompt_tokens, "rows": []}
@@ -255,27 +252,19 @@ def engine(outdir: Path, requests: int, max_tokens: int) -> dict:
     llm = hf_paged.LLM(model, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
                        kv_cache_memory=16 * 2**30, attention_backend="auto")
     llm.generate(prompts[:2], hf_paged.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+
+    def paged_row(system: str, seconds: float) -> None:
+        result["rows"].append({"system": system, "seconds": seconds, "out_tok_s": requests * max_tokens / seconds,
+                               "total_tok_s": (prompt_tokens + requests * max_tokens) / seconds})
+        print(f"  {system}: {seconds:.2f} s, {requests * max_tokens / seconds:.0f} output tok/s", flush=True)
+
+    seconds, outputs = timed_generate(llm, prompts, params)
     paged_tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    result["rows"].append({"system": "hf_paged (auto)", "seconds": seconds,
-                           "out_tok_s": requests * max_tokens / seconds,
-                           "total_tok_s": (prompt_tokens + requests * max_tokens) / seconds})
-    print(f"  hf_paged: {seconds:.2f} s, {requests * max_tokens / seconds:.0f} output tok/s", flush=True)
+    paged_row("hf_paged (auto)", seconds)
     # a second call on new prompts of the same lengths (no prefix hits): decode graphs are captured by now
+    rng = random.Random(1)
     other = [[rng.randrange(3, MODEL["vocab_size"]) for _ in prompt] for prompt in prompts]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate(other, params, use_tqdm=False)
-    torch.cuda.synchronize()
-    again = time.perf_counter() - start
-    result["rows"].append({"system": "hf_paged (auto), 2nd call", "seconds": again,
-                           "out_tok_s": requests * max_tokens / again,
-                           "total_tok_s": (prompt_tokens + requests * max_tokens) / again})
-    print(f"  hf_paged, second call: {again:.2f} s", flush=True)
+    paged_row("hf_paged (auto), 2nd call", timed_generate(llm, other, params)[0])
     result["steps"] = step_times(llm, prompts, params)  # the first run again, step by step
     print(f"  hf_paged step by step: {result['steps']}", flush=True)
     del llm

@@ -141,8 +141,8 @@ def engine_phases(model, prompts, max_tokens: int, outdir, **options) -> dict:
     return result
 
 
-def profile(outdir, requests: int, model_config: dict) -> dict:
-    """The engine's step on the ~1.1B Llama of gpu_bench (bf16), phase by phase, graphs on and off."""
+def llama_and_prompts(model_config: dict, requests: int):
+    """gpu_bench's random Llama (bf16, on the GPU) and its `requests` prompts of 128-512 random tokens (seed 0)."""
     import torch
 
     from hf_paged.tiny import tiny_model
@@ -152,4 +152,21 @@ def profile(outdir, requests: int, model_config: dict) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, model_config["vocab_size"]) for _ in range(rng.randint(128, 512))]
                for _ in range(requests)]
+    return model, prompts
+
+
+def timed_generate(llm, prompts, params) -> tuple[float, list]:
+    """Seconds of one `llm.generate` call, the device synchronized before and after, and its outputs."""
+    import torch
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, outputs
+
+
+def profile(outdir, requests: int, model_config: dict) -> dict:
+    """The engine's step on the ~1.1B Llama of gpu_bench (bf16), phase by phase, graphs on and off."""
+    model, prompts = llama_and_prompts(model_config, requests)
     return engine_phases(model, prompts, 32, outdir)

@@ -164,6 +164,29 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
 
 
+ARGMAX_BLOCK = 128  # vocabulary entries per block of `first_argmax`
+
+
+def first_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's first maximum: `logits.max(dim=-1).indices`, the same for every input (ties, -inf).
+    On CPU torch's arg-reductions run element by element (64 x 32,000 fp32: ~0.9 ms on two cores) while a plain
+    max is vectorized (~0.05 ms): so take the max of each block of ARGMAX_BLOCK entries, the first block holding
+    the row's maximum, the first maximum inside it, and compare a last partial block on its own (~0.14 ms)."""
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab < 2 * ARGMAX_BLOCK:
+        return logits.max(dim=-1).indices
+    full = vocab - vocab % ARGMAX_BLOCK
+    block = logits[:, :full].reshape(rows, -1, ARGMAX_BLOCK).amax(dim=-1).max(dim=-1).indices
+    columns = block[:, None] * ARGMAX_BLOCK + torch.arange(ARGMAX_BLOCK, device=logits.device)
+    candidates = logits.gather(1, columns)
+    best, inside = candidates.max(dim=-1)
+    token_ids = block * ARGMAX_BLOCK + inside
+    if full < vocab:  # strictly greater: on a tie the earlier block's index stands
+        tail_best, tail_index = logits[:, full:].max(dim=-1)
+        token_ids = torch.where(tail_best > best, tail_index + full, token_ids)
+    return token_ids
+
+
 class Sampler:
     """Samples one token per row in one batched pass.
 
@@ -191,7 +214,7 @@ class Sampler:
                 if tokens:
                     logits[row, tokens] = float("-inf")
         if all(p.greedy for p in params):
-            token_ids = logits.max(dim=-1).indices  # first maximum, like argmax, and faster on CPU
+            token_ids = first_argmax(logits)
         else:
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
-from hf_paged.sampling import Sampler, SamplingParams, _penalize, _truncate
+from hf_paged.sampling import ARGMAX_BLOCK, Sampler, SamplingParams, _penalize, _truncate, first_argmax
 
 CPU = torch.device("cpu")
 V = 12
@@ -198,6 +198,24 @@ def test_greedy_rows_take_argmax_and_banned_tokens_are_never_chosen(with_sampled
     drawn = Counter(out.token_ids[4:])
     assert not set(drawn) & set(banned_sampled), drawn
     assert not with_sampled_rows or set(drawn) == set(range(V)) - set(banned_sampled)
+
+
+@pytest.mark.parametrize("vocab", [7, 2 * ARGMAX_BLOCK, 5 * ARGMAX_BLOCK + 3, 32000, 50257])
+def test_first_argmax_is_the_first_maximum_of_each_row(vocab):
+    """The blockwise greedy pick equals a plain scan for the first maximum: ties inside a block, across blocks and
+    between the full blocks and a partial last block, rows of -inf and rows whose maximum is the last entry."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=gen), torch.randint(0, 3, (vocab,), generator=gen).float(),
+            torch.full((vocab,), float("-inf")), torch.zeros(vocab)]
+    last = torch.randn(vocab, generator=gen)
+    last[-1] = 100.0
+    tie = torch.randn(vocab, generator=gen)
+    tie[vocab // 3] = tie[-1] = 100.0  # the same maximum in a full block and in the tail
+    late = torch.randn(vocab, generator=gen)
+    late[vocab - vocab % ARGMAX_BLOCK - 1] = late[-2] = 50.0  # end of the full blocks vs the tail
+    logits = torch.stack(rows + [last, tie, late])
+    expected = [max(range(vocab), key=lambda i, row=row: (row[i], -i)) for row in logits.tolist()]
+    assert first_argmax(logits).tolist() == expected
 
 
 # ---- per-request seeds ------------------------------------------------------------------------------------

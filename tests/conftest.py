@@ -127,7 +127,6 @@ def divergence_in_fp32(model32, prompt: list[int], a: list[int], b: list[int]):
     return step, abs(float(logits[a[step]] - logits[b[step]])), bf16_ulp(float(logits.max()))
 
 
-
 def fp32_divergences(model, prompts, rows_a, rows_b) -> list:
     """(row, step, fp32 gap, bf16 spacing) for every row where `rows_a` and `rows_b` (greedy continuations of
     `prompts`) part, each judged by `divergence_in_fp32` on one float32 copy of `model`."""

@@ -1,6 +1,7 @@
 """`PagedCache`: HF's own generate loop and plain forward loops on paged memory give exactly what `DynamicCache`
 gives (fp32, token for token; scores to float tolerance), beams share blocks, crop frees blocks, and calls the
-engine cannot run go to HF's loop on a PagedCache (never to DynamicCache)."""
+engine cannot run go to HF's loop on a PagedCache (never to DynamicCache). Every mode on five architectures:
+test_paged_cache_modes.py."""
 from __future__ import annotations
 
 import logging
@@ -35,17 +36,6 @@ def assert_same(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2", "qwen3"])
-@pytest.mark.parametrize("mode", list(MODES))
-def test_generate_modes_equal_dynamic_cache(arch, mode):
-    model = model_for(arch)
-    ids, mask = batch((5, 11), seed=1)
-    cache = PagedCache(model.config, block_size=4)
-    out = run(model, ids, mask, cache, **MODES[mode])
-    assert_same(out, run(model, ids, mask, **MODES[mode]))
-    assert out.cache is cache and cache.get_seq_length() == out.sequences.shape[1] - 1
 
 
 @pytest.mark.parametrize("side", ["left", "right", "none"])
@@ -103,20 +93,6 @@ def test_padding_inside_a_sliding_window_goes_to_paged_cache(where, engine_runs,
     assert any("sliding-window" in r.getMessage() for r in caplog.records if r.name == "hf_paged")
 
 
-@pytest.mark.parametrize("how", ["assistant", "prompt_lookup"])
-def test_assisted_decoding_on_paged_cache(how, caplog):
-    model = model_for()
-    ids = torch.cat([batch((10,), seed=5)[0]] * 2, dim=1)  # repeated text: prompt lookup finds candidates
-    extra = {"assistant_model": model_for("llama") if how == "assistant" else None,
-             "prompt_lookup_num_tokens": 3 if how == "prompt_lookup" else None}
-    extra = {k: v for k, v in extra.items() if v is not None}
-    ref = model.generate(ids, max_new_tokens=12, do_sample=False, **extra)
-    with caplog.at_level(logging.WARNING, logger="hf_paged"):
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="paged", **extra)
-    assert torch.equal(out, ref)
-    assert any("on a PagedCache" in r.getMessage() for r in caplog.records if r.name == "hf_paged")
-
-
 def test_hidden_states_and_attentions_equal_dynamic_cache():
     model = model_for("llama")
     model.set_attn_implementation("eager")
@@ -134,22 +110,6 @@ def test_hidden_states_and_attentions_equal_dynamic_cache():
     for step_out, step_ref in zip(out.hidden_states, ref.hidden_states):
         for a, b in zip(step_out, step_ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_continue_from_the_returned_cache(arch):
-    """`generate(..., return_dict_in_generate=True)` on the engine returns a PagedCache; continuing from it gives what
-    one longer call gives."""
-    model = model_for(arch)
-    ids, mask = batch((4, 9, 13), seed=7)
-    whole = model.generate(ids, attention_mask=mask, max_new_tokens=14, min_new_tokens=14, do_sample=False)
-    first = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                           cache_implementation="paged", return_dict_in_generate=True)
-    assert isinstance(first.cache, PagedCache) and first.cache.get_seq_length() == first.sequences.shape[1] - 1
-    longer_mask = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], dim=1)
-    rest = model.generate(first.sequences, attention_mask=longer_mask, cache=first.cache, max_new_tokens=8,
-                          min_new_tokens=8, do_sample=False)
-    assert torch.equal(rest, whole)
 
 
 def test_plain_forward_loop_equals_dynamic_cache():

@@ -5,6 +5,7 @@ test_paged_cache_modes.py."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -143,6 +144,58 @@ def test_beam_search_holds_less_than_dynamic_cache():
     ref = model.generate(ids, **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
     assert paged.num_bytes_in_use <= 0.6 * dynamic_bytes(ref.cache), (paged.num_bytes_in_use, dynamic_bytes(ref.cache))
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_window_layers_give_back_the_blocks_they_no_longer_see(arch):
+    """HF's sliding layers keep only their window: a PagedCache's sliding-window layers (mistral: all; gemma2: every
+    other) hold only the blocks the window still covers, and read the same results."""
+    model = model_for(arch)
+    ids, mask = batch((30, 40), seed=13)
+    cache = PagedCache(model.config, block_size=4)
+    kwargs = dict(attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                  return_dict_in_generate=True)
+    out = model.generate(ids, cache=cache, **kwargs)
+    ref = model.generate(ids, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    window, length = model.config.sliding_window, cache.get_seq_length()  # 8 and 55
+    sliding = [layer.store for layer in cache.layers if layer.sliding_window]
+    full = [layer.store for layer in cache.layers if not layer.sliding_window]
+    assert sliding and all(store is sliding[0] for store in sliding) and all(store is not sliding[0] for store in full)
+    # before the last write at 54: slots before 54 - 8 + 1 = 47 released, i.e. blocks 0-10 of 14 in each row
+    assert sliding[0].num_blocks_in_use == 2 * (math.ceil(length / 4) - (length - 1 - window + 1) // 4) == 2 * 3
+    for store in full:
+        assert store.num_blocks_in_use == 2 * math.ceil(length / 4)
+
+
+def test_crop_behind_a_released_window_raises_and_recording_keeps_it():
+    """Once a sliding window has given slots back, a crop whose next query would need them raises and changes
+    nothing; with `activate_past_recording()` (what HF's assisted decoding calls) the slots stay until the crop, and
+    the rolled-back cache reads as DynamicCache's."""
+    model = model_for("mistral")
+    ids = batch((38,), seed=14)[0]
+    with torch.no_grad():
+        cache = PagedCache(model.config, block_size=4)
+        model(ids[:, :30], cache=cache, use_cache=True)
+        model(ids[:, 30:31], cache=cache, use_cache=True)  # releases slots before 31 - 8 + 1 = 24 -> 20
+        assert cache.store.num_released_tokens == 20
+        with pytest.raises(RuntimeError, match="sliding window"):
+            cache.crop(-10)
+        assert cache.get_seq_length() == 31 and cache.store.num_blocks_in_use == 8 - 5
+        cache.crop(-3)  # the next query (28) sees from 21: still there
+        assert cache.get_seq_length() == 28
+
+        logits = []
+        for cache in (PagedCache(model.config, block_size=4), DynamicCache(config=model.config)):
+            cache.activate_past_recording()
+            model(ids[:, :30], cache=cache, use_cache=True)
+            model(ids[:, 30:34], cache=cache, use_cache=True)
+            model(ids[:, 34:38], cache=cache, use_cache=True)  # without recording: slots before 24 released
+            cache.crop(-8)  # the next query (30) sees from 23
+            logits.append(model(ids[:, 30:32], cache=cache, use_cache=True).logits)
+            if isinstance(cache, PagedCache):
+                assert cache.store.num_released_tokens == 20  # the crop put the window back in force
+        torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
 def test_crop_frees_the_blocks_past_the_cut():

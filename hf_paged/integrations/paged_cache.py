@@ -21,20 +21,26 @@ _ATTENTION_LAYERS = {"full_attention": False, "sliding_attention": True, "chunke
 
 
 class PagedLayer(CacheLayerMixin):
-    """One decoder layer's view of the shared store: its own length, the store's tables and pages.
+    """One decoder layer's view of its store: its own length, the store's tables and pages.
 
-    Sliding-window and chunked layers keep every position (the attention mask applies the window), so
-    `get_mask_sizes` is the full layer's for both.
+    `get_mask_sizes` is the full layer's for every kind: the attention mask applies windows and chunks. A
+    sliding-window layer (`sliding_window` set) gives back the blocks its next queries cannot see, as HF's sliding
+    layers drop those positions: before writing at `length` it releases the slots before `length - sliding_window + 1`
+    (they read as zeros, always under the mask), except while HF records the past for a rollback (`record_past`,
+    assisted decoding), when they are kept until the next `crop`. Chunked layers keep every position.
     """
 
     is_compileable = False
     is_croppable = True
     supports_early_init = False
 
-    def __init__(self, store: PagedStore, index: int, is_sliding: bool = False, attention_config=None):
+    def __init__(self, store: PagedStore, index: int, is_sliding: bool = False, attention_config=None,
+                 sliding_window: int | None = None):
         self.store = store
         self.index = index
         self.is_sliding = is_sliding
+        self.sliding_window = sliding_window
+        self.record_past = False
         self.attention_config = attention_config  # whose `_attn_implementation` says whether attention reads in place
         self.length = 0
         self.is_initialized = False
@@ -58,6 +64,8 @@ class PagedLayer(CacheLayerMixin):
         attention anything."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.sliding_window and not self.record_past:
+            self.store.release_before(self.first_visible(self.length))
         self.store.write(self.index, key_states, value_states, self.length)
         self.length += key_states.shape[-2]
 
@@ -72,6 +80,13 @@ class PagedLayer(CacheLayerMixin):
     def reads_in_place(self) -> bool:
         """Whether the model's attention is "paged_cache" (it takes a PagedKV and reads the pages itself)."""
         return getattr(self.attention_config, "_attn_implementation", None) == CACHE_ATTENTION_NAME
+
+    def first_visible(self, position: int) -> int:
+        """The first slot a query at `position` may read (0 for a layer without a window)."""
+        return position - self.sliding_window + 1 if self.sliding_window else 0
+
+    def activate_past_recording(self, **kwargs) -> None:
+        self.record_past = True
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -116,6 +131,10 @@ class PagedCache(DynamicCache):
     needed (doubling); `num_blocks` fixes it (running out raises `MemoryError`); `kv_cache_memory` (bytes) fixes it
     to what fits, counted with the config's K/V shape. `num_bytes_in_use` is the bytes of the blocks its tables
     hold (blocks shared by several rows count once). Without a config, layers are added as the model writes them.
+
+    `stores`: one `PagedStore` per kind of layer (full and chunked attention share one; each sliding window has its
+    own, whose blocks leave as the window moves on), each with its own tables and `num_blocks` blocks of its layers;
+    `store` is the first layer's.
     """
 
     def __init__(self, config=None, *, block_size: int = 16, num_blocks: int | None = None,
@@ -124,13 +143,21 @@ class PagedCache(DynamicCache):
             raise ValueError("give PagedCache num_blocks or kv_cache_memory, not both")
         if kv_cache_memory is not None:
             num_blocks = _blocks_in_budget(config, block_size, kv_cache_memory)
-        self.store = PagedStore(block_size, num_blocks)
-        layers = _layers_for(config, self.store) if config is not None else None
+        by_window: dict[int | None, PagedStore] = {}
+
+        def store_for(window: int | None) -> PagedStore:
+            if window not in by_window:
+                by_window[window] = PagedStore(block_size, num_blocks)
+            return by_window[window]
+
+        layers = _layers_for(config, store_for) if config is not None else None
+        self.stores = list(by_window.values()) or [PagedStore(block_size, num_blocks)]
+        self.store = self.stores[0]
         Cache.__init__(self, layers=layers if layers is not None else [], offloading=False)  # not DynamicCache's
 
     @property
     def num_bytes_in_use(self) -> int:
-        return self.store.num_bytes_in_use
+        return sum(store.num_bytes_in_use for store in self.stores)
 
     @property
     def block_size(self) -> int:
@@ -146,38 +173,60 @@ class PagedCache(DynamicCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` positions (HF's convention: a negative count) and free the blocks
-        no row needs any more."""
+        no row needs any more; sliding-window layers then keep only what their next query sees (as HF's do). Raises,
+        changing nothing, where the next query would need slots a sliding window already gave back."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
         for layer in self._paged():
+            length = max(0, layer.length + tokens_to_remove)
+            if layer.sliding_window and layer.first_visible(length) < layer.store.num_released_tokens:
+                raise RuntimeError(
+                    f"cannot crop the cache to {length} positions: layer {layer.index}'s sliding window "
+                    f"({layer.sliding_window}) already gave back positions before "
+                    f"{layer.store.num_released_tokens}; call cache.activate_past_recording() before the forwards "
+                    "you may roll back (HF's generate does for assisted decoding)")
+        for layer in self._paged():
             layer.crop(tokens_to_remove)
-        self.store.truncate(max((layer.length for layer in self._paged()), default=0))
+        for store in self.stores:
+            layers = [layer for layer in self._paged() if layer.store is store]
+            length = max((layer.length for layer in layers), default=0)
+            store.truncate(length)
+            if any(layer.sliding_window for layer in layers):
+                store.release_before(min(layer.first_visible(length) for layer in layers))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.store.select_rows([int(i) for i in beam_idx.reshape(-1).tolist()])
+        self._select_rows([int(i) for i in beam_idx.reshape(-1).tolist()])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         rows = torch.arange(self.store.num_rows)[torch.as_tensor(indices).cpu()]
-        self.store.select_rows(rows.reshape(-1).tolist())
+        self._select_rows(rows.reshape(-1).tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.store.select_rows([row for row in range(self.store.num_rows) for _ in range(repeats)])
+        self._select_rows([row for row in range(self.store.num_rows) for _ in range(repeats)])
+
+    def _select_rows(self, rows: list[int]) -> None:
+        for store in self.stores:
+            store.select_rows(rows)
 
     def reset(self) -> None:
-        self.store.clear()
+        for store in self.stores:
+            store.clear()
         for layer in self._paged():
             layer.reset()
 
 
-def _layers_for(config, store: PagedStore) -> list:
+def _layers_for(config, store_for) -> list:
+    """The cache layers of `config`'s decoder; `store_for(window)` gives the store of a sliding window's layers
+    (None: full and chunked attention)."""
     text = config.get_text_config(decoder=True)
-    layer_types, _ = get_layer_types_and_kwargs(text)
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
     layers = []
-    for index, layer_type in enumerate(layer_types):
+    for index, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        window = kwargs.get("sliding_window") if layer_type == "sliding_attention" else None
         if layer_type == "dummy":
             layers.append(DummyLayer())
         elif layer_type in _ATTENTION_LAYERS:
-            layers.append(PagedLayer(store, index, _ATTENTION_LAYERS[layer_type], text))
+            layers.append(PagedLayer(store_for(window), index, _ATTENTION_LAYERS[layer_type], text, window))
         else:
             raise ValueError(f"PagedCache holds attention K/V only; {getattr(text, 'model_type', 'this model')!r} "
                              f"has layers of type {layer_type!r}")

@@ -54,8 +54,9 @@ class PagedStore:
     """Block tables for `num_rows` rows and the pages of every layer.
 
     Invariants: every row's table covers at least `capacity(row)` slots of which the first `length` (the caller's
-    count for each layer) hold that layer's K/V; a block id appears `ref_count` times over all tables; the null
-    block is never in a table. `num_blocks=None` grows the pool (doubling) when it runs out; a fixed pool raises
+    count for each layer) hold that layer's K/V, except the first `num_released_blocks` entries of every table: those
+    were given back (`release_before`, a sliding window that will not read them again) and name the null block; a
+    block id appears `ref_count` times over all tables; the null block appears nowhere else. `num_blocks=None` grows the pool (doubling) when it runs out; a fixed pool raises
     `MemoryError` instead.
     """
 
@@ -67,6 +68,7 @@ class PagedStore:
         self.pool = BlockPool(num_blocks if num_blocks is not None else initial_blocks)
         self.layers: dict[int, LayerPages] = {}
         self.tables: list[list[int]] = []
+        self.num_released_blocks = 0  # leading entries of every table given back to the pool (now the null block)
         self._table_tensor: torch.Tensor | None = None  # cached [rows, max_blocks] table, rebuilt when tables change
 
     # ---- rows -------------------------------------------------------------------------------------------------
@@ -88,29 +90,49 @@ class PagedStore:
         for table in new_tables:
             self._take(table)
         for table in self.tables:
-            self.pool.free(table)
+            self.pool.free(_held(table))
         self.tables = new_tables
         self._tables_changed()
+
+    def release_before(self, position: int) -> None:
+        """Give back, in every row, the blocks that hold only slots before `position` (a sliding window's queries from
+        `position` on never read them); their table entries become the null block, which reads as zeros."""
+        count = max(position, 0) // self.block_size
+        if count <= self.num_released_blocks:
+            return
+        for table in self.tables:
+            stop = min(count, len(table))
+            self.pool.free(_held(table[self.num_released_blocks:stop]))
+            table[self.num_released_blocks:stop] = [NULL_BLOCK] * (stop - self.num_released_blocks)
+        self.num_released_blocks = count
+        self._tables_changed()
+
+    @property
+    def num_released_tokens(self) -> int:
+        """Slots [0, num_released_tokens) of every row are gone (`release_before`)."""
+        return self.num_released_blocks * self.block_size
 
     def truncate(self, num_tokens: int) -> None:
         """Keep only the blocks that slots [0, num_tokens) need in every row; the rest go back to the pool."""
         keep = blocks_needed(max(num_tokens, 0), self.block_size)
+        self.num_released_blocks = min(self.num_released_blocks, keep)
         for table in self.tables:
             if len(table) > keep:
-                self.pool.free(table[keep:])
+                self.pool.free(_held(table[keep:]))
                 del table[keep:]
         self._tables_changed()
 
     def clear(self) -> None:
         for table in self.tables:
-            self.pool.free(table)
+            self.pool.free(_held(table))
         self.tables = [[] for _ in self.tables]
+        self.num_released_blocks = 0
         self._tables_changed()
 
     # ---- memory -----------------------------------------------------------------------------------------------
     @property
     def num_blocks_in_use(self) -> int:
-        return len({block for table in self.tables for block in table})
+        return len({block for table in self.tables for block in table} - {NULL_BLOCK})
 
     @property
     def num_bytes_per_block(self) -> int:
@@ -181,7 +203,7 @@ class PagedStore:
         return table[:, positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _take(self, table: list[int]) -> None:
-        for block_id in table:
+        for block_id in _held(table):
             self.pool.blocks[block_id].ref_count += 1
 
     def _allocate(self, count: int) -> list[int]:
@@ -212,6 +234,9 @@ class PagedStore:
         for table in self.tables:
             for index in range(first, last):
                 block_id = table[index]
+                if block_id == NULL_BLOCK:
+                    raise RuntimeError(f"slot {start} is in a block given back to the pool (released before "
+                                       f"{self.num_released_tokens})")
                 if self.pool.blocks[block_id].ref_count > 1:
                     (copy,) = self._allocate(1)
                     for pages in self.layers.values():
@@ -220,3 +245,8 @@ class PagedStore:
                     self.pool.free([block_id])
                     table[index] = copy
                     self._tables_changed()
+
+
+def _held(table: list[int]) -> list[int]:
+    """The entries of a table that hold a block (not the null block of a released slot)."""
+    return [block for block in table if block != NULL_BLOCK]

@@ -2,6 +2,7 @@
 
     hf-paged bench beam                      # 1,000-token prompt, num_beams 4 and 8, 32 new tokens
     hf-paged bench beam --small              # quick smoke run (smaller model and prompt)
+    hf-paged bench beam --arch gemma2        # sliding-window layers (every other layer, window 256)
 
 Workload: a random-weight Llama built from a config (hidden 256, 4 layers, 4 heads, 2 KV heads, vocab 1000, fp32,
 output head scaled so greedy choices have clear margins), one prompt of `--prompt-len` random tokens, greedy beam
@@ -14,6 +15,9 @@ PagedCache read in place (the "paged_cache" attention `generate` switches sdpa m
 through a gathered copy (hf_paged disabled), against DynamicCache's concatenation.
 Beams start as copies of one prompt; HF's first reorder points every beam at the best hypothesis, so with paged
 memory they share its blocks and copy only a shared, partly filled block when they write into it.
+`--arch mistral` / `gemma2`: the same sizes with sliding-window attention (`--window`, default 256) on every layer /
+every other layer (gemma2 on eager attention, as HF runs it). HF's sliding layers keep only the window; so do the
+PagedCache's, whose sliding layers have their own block tables and give back the blocks the window has left.
 """
 from __future__ import annotations
 
@@ -31,16 +35,21 @@ def parse_args(argv):
     parser.add_argument("--block-size", type=int, default=16, help="PagedCache block size (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--small", action="store_true", help="hidden 64, 2 layers, 200-token prompt, 8 new tokens")
+    parser.add_argument("--arch", choices=["llama", "mistral", "gemma2"], default="llama",
+                        help="architecture of the random model (default: %(default)s)")
+    parser.add_argument("--window", type=int, default=256,
+                        help="sliding window of mistral / gemma2 (default: %(default)s)")
     parser.add_argument("--json", default=default_json("beam"),
                         help="where to write the results (default: %(default)s in the current folder)")
     return parser.parse_args(argv)
 
 
-def build_model(small: bool):
+def build_model(small: bool, arch: str = "llama", window: int = 256):
     from hf_paged.tiny import tiny_model
 
     size = dict(hidden=64, layers=2) if small else dict(hidden=256, layers=4)
-    return tiny_model("llama", vocab_size=1000, heads=4, kv_heads=2, max_len=2048, **size)
+    extra = {} if arch == "llama" else {"sliding_window": window}
+    return tiny_model(arch, vocab_size=1000, heads=4, kv_heads=2, max_len=2048, **size, **extra)
 
 
 def dynamic_bytes(cache) -> int:
@@ -105,7 +114,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.small:
         args.prompt_len, args.new_tokens = min(args.prompt_len, 200), min(args.new_tokens, 8)
-    model = build_model(args.small)
+    model = build_model(args.small, args.arch, args.window)
     prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
     measure(model, prompt[:, :32], 2, 2, args.block_size)  # warm-up
     results = [measure(model, prompt, beams, args.new_tokens, args.block_size) for beams in args.beams]
@@ -113,13 +122,17 @@ def main(argv=None) -> int:
     greedy = time_greedy(model, rows, 2 * args.new_tokens, args.block_size)
     rows = [[r["num_beams"], f"{r['dynamic_bytes'] / 2**20:.2f}", f"{r['paged_bytes'] / 2**20:.2f}",
              f"{100 * r['saving']:.1f} %", f"{r['dynamic_s']:.2f}", f"{r['paged_s']:.2f}"] for r in results]
-    print(f"beam search, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, identical outputs")
+    window = f", sliding window {args.window}" if args.arch != "llama" else ""
+    print(f"beam search, {args.arch}{window}, {args.prompt_len}-token prompt, {args.new_tokens} new tokens, "
+          "identical outputs")
     print(format_table(["num_beams", "DynamicCache MiB", "PagedCache MiB", "less memory", "Dynamic s", "Paged s"],
                        rows))
     print(f"greedy, {greedy['rows']} rows of {args.prompt_len} tokens, {2 * args.new_tokens} new tokens (best of 2): "
           f"DynamicCache {greedy['dynamic_s']:.2f} s, PagedCache {greedy['paged_s']:.2f} s (pages read in place), "
           f"{greedy['paged_gathered_s']:.2f} s (a gathered copy)")
-    path = write_json(args.json, {"benchmark": "beam", "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    path = write_json(args.json, {"benchmark": "beam", "arch": args.arch,
+                                  "sliding_window": args.window if args.arch != "llama" else None,
+                                  "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                                   "block_size": args.block_size, "small": args.small, "results": results,
                                   "greedy": greedy})
     print(f"results written to {path}")

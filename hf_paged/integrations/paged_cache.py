@@ -83,7 +83,7 @@ class PagedLayer(CacheLayerMixin):
 
     def first_visible(self, position: int) -> int:
         """The first slot a query at `position` may read (0 for a layer without a window)."""
-        return position - self.sliding_window + 1 if self.sliding_window else 0
+        return max(0, position - self.sliding_window + 1) if self.sliding_window else 0
 
     def activate_past_recording(self, **kwargs) -> None:
         self.record_past = True

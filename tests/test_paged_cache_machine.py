@@ -27,6 +27,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @initialize(arch=st.sampled_from(["llama", "mistral", "gemma2"]), window=st.integers(2, 7),
                 block_size=st.integers(1, 4), rows=st.integers(1, 3))
     def setup(self, arch, window, block_size, rows):
+        self.window = None if arch == "llama" else window
         config = tiny_config(arch, **({} if arch == "llama" else {"sliding_window": window}))
         self.cache = PagedCache(config, block_size=block_size)
         self.num_layers = len(self.cache.layers)
@@ -41,11 +42,11 @@ class PagedCacheMachine(RuleBasedStateMachine):
         return len(self.rows[0][0])
 
     def visible_from(self, layer, position: int) -> int:
-        return layer.first_visible(position)
+        """HF's window: a query at p sees keys p - window + 1 .. p."""
+        return max(0, position - self.window + 1) if layer.sliding_window else 0
 
     def window_start(self, position: int) -> int:
-        sliding = [layer for layer in self.cache.layers if layer.sliding_window]
-        return sliding[0].first_visible(position) if sliding else 0
+        return max(0, position - self.window + 1) if self.window else 0
 
     def recording(self) -> bool:
         return any(layer.record_past for layer in self.cache.layers)
@@ -169,7 +170,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
                 store = layer.store
                 assert store.num_released_blocks == self.floor // store.block_size, (store.num_released_blocks,
                                                                                       self.floor)
-                assert store.num_released_tokens <= layer.first_visible(self.length)
+                assert store.num_released_tokens <= self.visible_from(layer, self.length)
+                assert layer.sliding_window == self.window
 
 
 PagedCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,

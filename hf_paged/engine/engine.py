@@ -65,7 +65,8 @@ class Engine:
         self.scheduler = Scheduler(self.config, kv, self.memory.swap, costs, self.max_model_len, detokenize)
         graphs = DecodeGraphSettings.for_engine(self.config, device, self.memory.num_blocks, self.max_model_len)
         self.runner = ModelRunner(model, self.spec, self.memory.cache, self.config.attention_backend, graphs)
-        check_paged_matches_model(model, self.spec, self.runner.backends)  # refuse a model we would serve wrong
+        # refuse a model we would serve wrong; one window on every layer: blocks behind it go back to the pool
+        self.scheduler.release_window = check_paged_matches_model(model, self.spec, self.runner.backends)
         self.sampler = Sampler(device, self.config.seed)
         self.limits = Limits(self.spec.vocab_size, self.max_model_len, self.memory.num_blocks, self.config)
         eos = _as_id_list(getattr(model.generation_config, "eos_token_id", None)) + _as_id_list(

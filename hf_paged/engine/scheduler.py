@@ -10,14 +10,14 @@ from collections import deque
 from typing import Callable
 
 from ..config import EngineConfig
-from ..kv import KVCacheManager, blocks_needed
+from ..kv import NULL_BLOCK, KVCacheManager, blocks_needed
 from ..kv.swap import SwapPool
 from ..request import Request, RequestStatus, apply_stop_rules
 from .plan import PreemptionCosts, StepOutcome, StepPlan
 
 COUNTERS = ("num_steps", "num_prompt_tokens", "num_generated_tokens", "num_batched_tokens", "num_finished",
             "num_errors", "num_preemptions", "num_recomputed_tokens", "num_swap_outs", "num_swap_ins",
-            "num_blocks_swapped")
+            "num_blocks_swapped", "num_blocks_released")
 
 
 class Scheduler:
@@ -46,6 +46,9 @@ class Scheduler:
         self.counters = dict.fromkeys(COUNTERS, 0)
         # called with each request that finished normally, just before its blocks are freed (its K/V still there)
         self.release_hooks: list[Callable[[Request], None]] = []
+        # the sliding window every layer of the model applies (None: not one for all): a running request's blocks
+        # wholly behind it go back to the pool before each step
+        self.release_window: int | None = None
 
     @property
     def has_work(self) -> bool:
@@ -71,6 +74,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self.release_window:  # its next query (at num_computed_tokens) sees no slot behind this one
+                self.counters["num_blocks_released"] += self.kv.release_behind(
+                    request, request.num_computed_tokens - self.release_window + 1)
             num_new = self._chunk(request, budget)
             if num_new > budget:
                 continue
@@ -170,14 +176,15 @@ class Scheduler:
         self.running.remove(request)
         returned = plan.remove(request)
         computed = blocks_needed(request.num_computed_tokens, self.kv.block_size)
-        if self._should_swap(request, computed):
-            host = self.swap.allocate(computed)
+        released = released_prefix(request.block_table)  # a window's given-back blocks: nothing to save
+        if self._should_swap(request, computed - released):
+            host = self.swap.allocate(computed - released)
             # swap-outs run before the copy-on-write copies: a block just copied-on-write is saved from its source
-            plan.swap_out.append((self.kv.current_contents(request.block_table[:computed]), host))
-            request.swapped_blocks = host
+            plan.swap_out.append((self.kv.current_contents(request.block_table[released:computed]), host))
+            request.swapped_blocks = [RELEASED] * released + host
             request.status = RequestStatus.SWAPPED
             self.counters["num_swap_outs"] += 1
-            self.counters["num_blocks_swapped"] += computed
+            self.counters["num_blocks_swapped"] += computed - released
         else:
             self.counters["num_recomputed_tokens"] += request.num_computed_tokens
             request.num_computed_tokens = 0
@@ -193,9 +200,11 @@ class Scheduler:
         """Give a swapped request device blocks for everything it holds plus its growth, and queue the copy."""
         if blocks_needed(request.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
             return False
-        device = self.kv.allocate_blocks(len(request.swapped_blocks))
-        request.block_table = device
-        plan.swap_in.append((request.swapped_blocks, list(device)))  # a copy: the table grows on in this step
+        host = [h for h in request.swapped_blocks if h != RELEASED]
+        device = self.kv.allocate_blocks(len(host))
+        released = len(request.swapped_blocks) - len(host)
+        request.block_table = [NULL_BLOCK] * released + device
+        plan.swap_in.append((host, list(device)))  # a copy: the table grows on in this step
         request.swapped_blocks = []
         self.counters["num_swap_ins"] += 1
         return True
@@ -291,5 +300,16 @@ class Scheduler:
                 hook(request)
         self.kv.free(request)
         if request.swapped_blocks:
-            self.swap.free(request.swapped_blocks)
+            self.swap.free([h for h in request.swapped_blocks if h != RELEASED])
             request.swapped_blocks = []
+
+
+RELEASED = -1  # in a swapped request's `swapped_blocks`: a slot of its table that a sliding window gave back
+
+
+def released_prefix(table: list[int]) -> int:
+    """How many leading entries of a block table a sliding window gave back (the null block)."""
+    count = 0
+    while count < len(table) and table[count] == NULL_BLOCK:
+        count += 1
+    return count

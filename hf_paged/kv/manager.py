@@ -39,7 +39,9 @@ class KVCacheManager:
     are ever hashed, so a shared block is never written again. The manager never changes a sequence's
     `num_computed_tokens` (the scheduler does); it tells the scheduler how many tokens a prefix hit covers.
     Blocks whose memory must be cleared before use (never used yet, or last held by a request whose K/V went
-    non-finite) are reported once by `take_blocks_to_clear` when handed out.
+    non-finite) are reported once by `take_blocks_to_clear` when handed out. On a model whose every layer attends
+    through one sliding window, `release_behind` gives back the blocks behind it: their table entries become the null
+    block (never counted, never freed), always a leading run of the table.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -121,6 +123,8 @@ class KVCacheManager:
         keys = self._hashes(request, full)
         table, blocks = request.block_table, self.pool.blocks
         for i in range(request.num_published_blocks, full):
+            if table[i] == NULL_BLOCK or (i > 0 and table[i - 1] == NULL_BLOCK):
+                continue  # released (a swapped-in request's window): no block, or no parent to chain it to
             parent = blocks[table[i - 1]] if i > 0 else None
             self.pool.cache(table[i], keys[i], tokens[i * bs:(i + 1) * bs], parent)
         request.num_published_blocks = full
@@ -141,7 +145,7 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's table (one more reference on every block); the caller gives it the parent's
         computed length."""
-        self.pool.touch([self.pool.blocks[i] for i in parent.block_table])
+        self.pool.touch([self.pool.blocks[i] for i in held(parent.block_table)])
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_published_blocks = parent.num_published_blocks
@@ -196,11 +200,33 @@ class KVCacheManager:
         """The request's K/V may be non-finite (its forward pass went wrong): take its blocks out of the prefix
         map, so no later request hits them, and clear each again before it is next handed out. Blocks it shares
         with running requests keep serving them untouched (they are cleared only once handed out anew)."""
-        for block_id in request.block_table:
+        for block_id in held(request.block_table):
             self.pool.uncache(block_id)
             self._clean[block_id] = 0
 
     def free(self, request: Sequence) -> None:
-        self.pool.free(request.block_table)
+        self.pool.free(held(request.block_table))
         request.block_table = []
         request.num_published_blocks = 0
+
+    def release_behind(self, request: Sequence, first_needed: int) -> int:
+        """Give back the blocks that hold only slots before `first_needed` (a sliding window's next queries never read
+        them); their entries become the null block. Only published blocks go (they stay in the prefix map, free to
+        serve a later hit until evicted), so the prefix chain of the ones still to publish is intact. Returns how
+        many blocks went back."""
+        count = max(first_needed, 0) // self.block_size
+        if self.enable_prefix_caching:  # the last published block stays: the next one to publish chains to it
+            count = min(count, request.num_published_blocks - 1)
+        if count <= 0:
+            return 0
+        table = request.block_table
+        gone = [block for block in table[:count] if block != NULL_BLOCK]
+        if gone:
+            self.pool.free(gone)
+            table[:count] = [NULL_BLOCK] * min(count, len(table))
+        return len(gone)
+
+
+def held(table: list[int]) -> list[int]:
+    """A table's entries that hold a block (not the null block of a released slot)."""
+    return [block for block in table if block != NULL_BLOCK]

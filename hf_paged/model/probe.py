@@ -6,6 +6,9 @@ agree to within float rounding; otherwise the model is refused with a ValueError
 no list of features can (a module that does something to attention the paged function cannot see), and the
 guard in `paged_forward.check_supported` turns any argument the paged function would ignore into an error here,
 at start, instead of in the middle of serving. The verdict is kept on the model per (backend, dtype).
+
+It also reports the one sliding window every layer's attention applied in that forward, if there is one: then no
+query ever reads a slot more than a window behind it, and the engine may give those blocks back.
 """
 from __future__ import annotations
 
@@ -25,9 +28,10 @@ BLOCK_SIZE = 4
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # relative to the largest logit; half precision: 3e-2
 
 
-def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences: list[list[int]]) -> list:
+def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences: list[list[int]]) -> tuple:
     """Prefill every sequence but its last token in one packed step, then decode that token for each: the last
-    logits of each sequence from both steps."""
+    logits of each sequence from both steps, and the sliding window every attention call passed (None if they
+    differ or pass none)."""
     device = spec.kv.device
     blocks_per_sequence = -(-max(map(len, sequences)) // BLOCK_SIZE)
     dtype = next(model.parameters()).dtype  # the model's own dtype, also when the engine's cache is fp8
@@ -61,7 +65,9 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
                                        f"cache cannot be paged")
         rows = torch.tensor(query_lens, device=device).cumsum(0) - 1
         results.append(out.logits[0, rows].float())
-    return results
+    windows = set(context.windows)
+    window = windows.pop() if len(windows) == 1 else None
+    return results, window if isinstance(window, int) and window > 0 else None
 
 
 def _own_logits(model, ids: list[int], device) -> torch.Tensor:
@@ -84,22 +90,24 @@ def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> None:
-    """Raise ValueError when the paged forward does not reproduce the model's own logits (see the module doc)."""
+def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> int | None:
+    """Raise ValueError when the paged forward does not reproduce the model's own logits (see the module doc).
+    Returns the sliding window every layer applies, or None."""
     dtype = next(model.parameters()).dtype
     key = (backends.name, str(dtype), str(spec.kv.device))
     verdicts = model.__dict__.setdefault("_hf_paged_probe", {})
+    windows = model.__dict__.setdefault("_hf_paged_window", {})
     if key in verdicts:
         if verdicts[key] is not None:
             raise ValueError(verdicts[key])
-        return
+        return windows.get(key)
     model_type = getattr(model.config, "model_type", type(model).__name__)
     generator = torch.Generator().manual_seed(0)
     vocab = min(spec.vocab_size, 1000)
     sequences = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in LENGTHS]
     with forward_lock(model):
         try:
-            paged = _paged_logits(model, spec, backends, sequences)
+            paged, window = _paged_logits(model, spec, backends, sequences)
         except UnsupportedAttention as e:
             verdicts[key] = str(e)
             raise ValueError(str(e)) from None
@@ -118,3 +126,5 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
                          f"attention (largest logit difference {worst:.2e} of the largest logit, tolerance "
                          f"{tolerance:.0e}); it is refused rather than served wrong")
         raise ValueError(verdicts[key])
+    windows[key] = window
+    return window

@@ -1,0 +1,129 @@
+"""The engine on a model whose every layer attends through one sliding window (mistral): a running request's blocks
+wholly behind the window go back to the pool before each step, so it holds about a window's worth, whatever its
+length. Outputs stay exactly those of the same engine keeping every block, under preemption by swap and by
+recompute, prefix hits, chunked prefill, parallel samples (forks) and aborts; a model with mixed layers (gemma2)
+releases nothing. The window comes from what the model's attention does (the start-up check), not from a flag."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import LLM, SamplingParams
+from hf_paged.kv import NULL_BLOCK, blocks_needed
+
+from conftest import assert_same_as_hf, cached_model, left_padded_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+WINDOW = 16
+
+
+def windowed():
+    return cached_model("mistral", sliding_window=WINDOW)
+
+
+def prompts(count: int, seed: int, lengths=(4, 12)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (int(n),), generator=gen).tolist()
+            for n in torch.randint(lengths[0], lengths[1], (count,), generator=gen)]
+
+
+def run(model, prompt_ids, params, keep_every_block=False, **options):
+    """Outputs and the LLM; with `keep_every_block` the same engine with the window release switched off."""
+    llm = LLM(model, **options)
+    if keep_every_block:
+        llm.engine.scheduler.release_window = None
+    outs = llm.generate(prompt_ids, params, use_tqdm=False)
+    llm.engine.check_idle()  # every block free, every reference count zero, nothing on the swap pool
+    return [[sample.token_ids for sample in out.outputs] for out in outs], llm
+
+
+def test_the_window_comes_from_the_model():
+    assert LLM(windowed(), block_size=4).engine.scheduler.release_window == WINDOW
+    assert LLM(cached_model("gemma2"), block_size=4).engine.scheduler.release_window is None  # every other layer
+    assert LLM(cached_model("llama"), block_size=4).engine.scheduler.release_window is None
+
+
+def test_a_request_holds_a_window_of_blocks_and_hf_output():
+    """Stepping one long request: after each step its table holds at most the window's blocks (plus the one being
+    filled and, with prefix caching, the last published one), its released entries are a leading run of the null
+    block, and the result is HF's."""
+    model = windowed()
+    llm = LLM(model, block_size=4)
+    prompt = prompts(1, seed=1, lengths=(30, 31))[0]
+    group = llm.engine.add_request(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    request = group.samples[0]
+    held_after_prefill = None
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+        table = request.block_table
+        live = [b for b in table if b != NULL_BLOCK]
+        released = len(table) - len(live)
+        assert table[:released] == [NULL_BLOCK] * released  # a leading run
+        if held_after_prefill is None:
+            held_after_prefill = len(live)  # the whole prompt: nothing computed was behind a window yet
+        else:  # the window's blocks, the one being written, and the last published one (it chains the next)
+            assert len(live) <= blocks_needed(WINDOW, 4) + 2, (len(live), table)
+    assert held_after_prefill == blocks_needed(len(prompt), 4)
+    assert llm.stats()["num_blocks_released"] >= blocks_needed(len(prompt) + 59, 4) - blocks_needed(WINDOW, 4) - 2
+    ids = torch.tensor([prompt])
+    hf = model.generate(ids, max_new_tokens=60, min_new_tokens=60, do_sample=False)[0, len(prompt):].tolist()
+    assert request.output_token_ids == hf
+
+
+def test_generate_takeover_matches_hf_past_the_window():
+    model = windowed()
+    ids, mask = left_padded_batch([40, 7, 25, 18], seed=2)
+    assert_same_as_hf(model, ids, mask, paged_kwargs={"cache_config": {"block_size": 2}}, max_new_tokens=40,
+                      do_sample=False)
+
+
+PREEMPTING = dict(block_size=2, num_blocks=40, swap_space=1 << 20)
+
+
+@pytest.mark.parametrize("prefix", [False, True])
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_of_requests_with_released_blocks(mode, prefix):
+    """Eight short prompts growing far past the window in a pool that cannot hold them all: requests that have
+    given blocks back are preempted (their live blocks swapped out and back, or recomputed) with unchanged outputs."""
+    model = windowed()
+    params = SamplingParams(max_tokens=48, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
+    ids = prompts(8, seed=4)
+    expected, _ = run(model, ids, params, keep_every_block=True, block_size=2)
+    got, llm = run(model, ids, params, preemption_mode=mode, enable_prefix_caching=prefix, **PREEMPTING)
+    assert got == expected
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_blocks_released"] > 0, stats
+    if mode == "swap":
+        assert stats["num_swap_outs"] == stats["num_swap_ins"] > 0 and stats["num_recomputed_tokens"] == 0
+
+
+def test_prefix_hits_chunks_and_parallel_samples():
+    """A shared 40-token prefix (hits on blocks a finished request released), chunked prefill and n=3 samples forked
+    from one prompt, against the same engine keeping every block."""
+    model = windowed()
+    shared = list(range(10, 50))
+    ids = [shared + tail for tail in prompts(6, seed=5, lengths=(1, 6))]
+    params = SamplingParams(max_tokens=30, temperature=0.9, seed=6, n=3, ignore_eos=True)
+    options = dict(block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    expected, _ = run(model, ids, params, keep_every_block=True, **options)
+    got, llm = run(model, ids, params, **options)
+    assert got == expected
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["num_blocks_released"] > 0, stats
+
+
+def test_abort_mid_run_frees_everything():
+    model = windowed()
+    llm = LLM(model, block_size=2)
+    groups = [llm.engine.add_request(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+              for p in prompts(4, seed=7)]
+    for _ in range(25):
+        llm.engine.step()
+    assert all(not g.is_finished for g in groups)
+    assert llm.stats()["num_blocks_released"] > 0
+    for group in groups:
+        llm.engine.abort(group.request_id)
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+    llm.engine.check_idle()

@@ -39,9 +39,9 @@ def run(model, prompt_ids, params, keep_every_block=False, **options):
 
 
 def test_the_window_comes_from_the_model():
-    assert LLM(windowed(), block_size=4).engine.scheduler.release_window == WINDOW
-    assert LLM(cached_model("gemma2"), block_size=4).engine.scheduler.release_window is None  # every other layer
-    assert LLM(cached_model("llama"), block_size=4).engine.scheduler.release_window is None
+    assert LLM(windowed(), block_size=4, num_blocks=64).engine.scheduler.release_window == WINDOW
+    assert LLM(cached_model("gemma2"), block_size=4, num_blocks=64).engine.scheduler.release_window is None  # every other layer
+    assert LLM(cached_model("llama"), block_size=4, num_blocks=64).engine.scheduler.release_window is None
 
 
 def test_a_request_holds_a_window_of_blocks_and_hf_output():

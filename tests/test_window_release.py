@@ -78,21 +78,32 @@ def test_generate_takeover_matches_hf_past_the_window():
                       do_sample=False)
 
 
-PREEMPTING = dict(block_size=2, num_blocks=40, swap_space=1 << 20)
+def staggered(mode: str, prefix: bool, keep_every_block: bool = False):
+    """Three long requests (priority 1: preempted first) run past the window, then five short, more urgent ones
+    arrive and grow until the pool runs dry: the victims are requests that have given blocks back."""
+    llm = LLM(windowed(), preemption_mode=mode, enable_prefix_caching=prefix, block_size=2, num_blocks=48,
+              swap_space=1 << 20)
+    if keep_every_block:
+        llm.engine.scheduler.release_window = None
+    params = SamplingParams(max_tokens=60, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
+    groups = [llm.engine.add_request(p, params, priority=1) for p in prompts(3, seed=8, lengths=(20, 30))]
+    for _ in range(8):
+        llm.engine.step()
+    groups += [llm.engine.add_request(p, params) for p in prompts(5, seed=9, lengths=(4, 8))]
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+    llm.engine.check_idle()
+    return [g.samples[0].output_token_ids for g in groups], llm.stats()
 
 
 @pytest.mark.parametrize("prefix", [False, True])
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_of_requests_with_released_blocks(mode, prefix):
-    """Eight short prompts growing far past the window in a pool that cannot hold them all: requests that have
-    given blocks back are preempted (their live blocks swapped out and back, or recomputed) with unchanged outputs."""
-    model = windowed()
-    params = SamplingParams(max_tokens=48, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
-    ids = prompts(8, seed=4)
-    expected, _ = run(model, ids, params, keep_every_block=True, block_size=2)
-    got, llm = run(model, ids, params, preemption_mode=mode, enable_prefix_caching=prefix, **PREEMPTING)
+    """Preempted requests whose tables start with released blocks: swapped out (only their live blocks) and back
+    in behind the same released run, or recomputed, with the outputs of the engine that keeps every block."""
+    expected, _ = staggered(mode, prefix, keep_every_block=True)
+    got, stats = staggered(mode, prefix)
     assert got == expected
-    stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["num_blocks_released"] > 0, stats
     if mode == "swap":
         assert stats["num_swap_outs"] == stats["num_swap_ins"] > 0 and stats["num_recomputed_tokens"] == 0

@@ -81,8 +81,10 @@ def test_generate_takeover_matches_hf_past_the_window():
 def staggered(mode: str, prefix: bool, keep_every_block: bool = False):
     """Three long requests (priority 1: preempted first) run past the window, then five short, more urgent ones
     arrive and grow until the pool runs dry: the victims are requests that have given blocks back."""
+    # swap space for the three victims' live blocks (at most 10 each), not for their whole tables (up to 21 each)
+    swap_space = 32 * LLM(windowed(), block_size=2, num_blocks=8).engine.spec.kv.bytes_per_block(2)
     llm = LLM(windowed(), preemption_mode=mode, enable_prefix_caching=prefix, block_size=2, num_blocks=48,
-              swap_space=1 << 20)
+              swap_space=swap_space)
     if keep_every_block:
         llm.engine.scheduler.release_window = None
     params = SamplingParams(max_tokens=60, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
@@ -93,6 +95,7 @@ def staggered(mode: str, prefix: bool, keep_every_block: bool = False):
     while llm.engine.has_unfinished:
         llm.engine.step()
     llm.engine.check_idle()
+    assert llm.engine.scheduler.kv.pool.blocks[NULL_BLOCK].block_hash is None  # never published as a prefix
     return [g.samples[0].output_token_ids for g in groups], llm.stats()
 
 

@@ -30,6 +30,7 @@ BENCHMARKS = {  # name: what it measures (the modules are hf_paged.bench.NAME)
     "memory": "sequences held and slots used at a fixed KV budget vs HF's padded cache",
     "swap": "throughput under memory pressure: recompute vs swap vs auto preemption",
     "beam": "beam search on the engine vs HF's",
+    "window": "a sliding-window model's long generations: blocks behind the window given back vs kept",
 }
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 

@@ -71,11 +71,13 @@ def test_a_request_holds_a_window_of_blocks_and_hf_output():
     assert request.output_token_ids == hf
 
 
-def test_generate_takeover_matches_hf_past_the_window():
-    model = windowed()
+@pytest.mark.parametrize("arch", ["mistral", "phi3"])
+def test_generate_takeover_matches_hf_past_the_window(arch, engine_runs):
+    model = cached_model(arch, sliding_window=WINDOW)
     ids, mask = left_padded_batch([40, 7, 25, 18], seed=2)
     assert_same_as_hf(model, ids, mask, paged_kwargs={"cache_config": {"block_size": 2}}, max_new_tokens=40,
                       do_sample=False)
+    assert engine_runs[0].engine.stats()["num_blocks_released"] > 0
 
 
 def staggered(mode: str, prefix: bool, keep_every_block: bool = False):

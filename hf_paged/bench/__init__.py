@@ -13,7 +13,7 @@ import inspect
 import sys
 from pathlib import Path
 
-NAMES = ("throughput", "prefix", "chunked", "memory", "swap", "beam")
+NAMES = ("throughput", "prefix", "chunked", "memory", "swap", "beam", "window")
 
 
 def load(name: str):

@@ -253,9 +253,12 @@ def compare(soak: Soak, reference: LLM, specs: list[Spec], ended: dict, options:
 
 
 def reference_engine(model) -> LLM:
-    """Big pool, every request admitted at once, no chunking: nothing is ever preempted."""
-    return LLM(model, block_size=16, num_blocks=12000, max_num_seqs=512, max_num_batched_tokens=1 << 17,
-               enable_chunked_prefill=False, preemption_mode="recompute", attention_backend="torch")
+    """Big pool, every request admitted at once, no chunking: nothing is ever preempted, and every block is kept
+    (also on a sliding-window model, whose soaked engines give back the blocks behind the window)."""
+    llm = LLM(model, block_size=16, num_blocks=12000, max_num_seqs=512, max_num_batched_tokens=1 << 17,
+              enable_chunked_prefill=False, preemption_mode="recompute", attention_backend="torch")
+    llm.engine.scheduler.release_window = None
+    return llm
 
 
 def run_soak(requests: int | None = None, minutes: float | None = None, seed: int = 0, model=None,
@@ -306,13 +309,17 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: the tiny model's matmuls take microseconds; more threads only "
                              "spin against each other on a busy machine, 10x slower on 2 shared cores)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="soak a Mistral whose every layer has this sliding window (the engines give back the "
+                             "blocks behind it) instead of the Llama")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    report = run_soak(args.requests, args.minutes, args.seed, log=None if args.json else print)
+    model = tiny_model("mistral", max_len=MAX_LEN, sliding_window=args.window) if args.window else None
+    report = run_soak(args.requests, args.minutes, args.seed, model=model, log=None if args.json else print)
     failed = sum(report[k] for k in VIOLATION_COUNTS) > 0
     if args.json:
         print(json.dumps(report, indent=2))

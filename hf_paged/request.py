@@ -47,7 +47,8 @@ class Request:
     Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
     `num_computed_tokens <= len(all_token_ids)` counts tokens whose K/V are in the cache;
     `block_table` holds ceil(num_computed_tokens / block_size) or more physical block ids while the
-    request holds memory, and is empty while it waits. Only the scheduler changes `status`,
+    request holds memory (on a model with one sliding window on every layer, a leading run of them may be the null
+    block: given back behind the window), and is empty while it waits. Only the scheduler changes `status`,
     `num_computed_tokens` and the outputs (through `append_token` / `finish`).
     """
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from hypothesis.stateful import invariant
 
+from hf_paged.engine.scheduler import RELEASED, released_prefix
 from hf_paged.kv import NULL_BLOCK, blocks_needed
 from hf_paged.kv import manager as kv_manager  # its hash_block: the colliding-keys variant patches it
 
@@ -89,8 +90,9 @@ class KVInvariants:
         for seq in self.seqs:
             if seq.status != "running":
                 assert seq.block_table == [], f"{seq} holds device blocks"
-            assert NULL_BLOCK not in seq.block_table
-            for b in seq.block_table:
+            released = released_prefix(seq.block_table)  # given back behind a sliding window: a leading run
+            assert NULL_BLOCK not in seq.block_table[released:]
+            for b in seq.block_table[released:]:
                 holders.setdefault(b, []).append(seq)
         assert blocks[NULL_BLOCK].ref_count == 0
         for block in blocks[1:]:
@@ -144,7 +146,7 @@ class KVInvariants:
                 assert seq.num_published_blocks <= seq.num_computed_tokens // self.bs
                 if id(seq) in arriving:
                     continue  # its K/V come back from host memory in this step's block moves
-                for p in range(seq.num_computed_tokens):
+                for p in range(released_prefix(seq.block_table) * self.bs, seq.num_computed_tokens):
                     b = seq.block_table[p // self.bs]
                     if b in copying:
                         continue
@@ -157,7 +159,7 @@ class KVInvariants:
 
     @invariant()
     def swap_pool(self):
-        held = [h for s in self.seqs for h in s.host] + [h for host, _, _ in self.swap_in for h in host]
+        held = [h for s in self.seqs for h in s.host if h != RELEASED] + [h for host, _, _ in self.swap_in for h in host]
         free = self.swap.free_ids
         assert len(set(held)) == len(held) and len(set(free)) == len(free)
         assert not set(held) & set(free)

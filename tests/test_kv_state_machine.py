@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import torch
 
+from hf_paged.engine.scheduler import RELEASED, released_prefix
 from hf_paged.kv import NULL_BLOCK, KVCache, KVCacheManager, KVCacheSpec, blocks_needed
 from hf_paged.kv.swap import SwapPool
 from kv_machine_model import GARBAGE, NAN, ZERO, KVInvariants, Seq
@@ -127,7 +128,8 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
         return self._with("running", lambda s: s.num_computed_tokens < s.num_tokens)
 
     def _swappable(self) -> list[Seq]:
-        return [s for s in self._preemptable() if 0 < blocks_needed(s.num_computed_tokens, self.bs) <= self.swap.num_free]
+        return [s for s in self._preemptable()
+                if 0 < blocks_needed(s.num_computed_tokens, self.bs) - released_prefix(s.block_table) <= self.swap.num_free]
 
     def _preempt_recompute(self, seq: Seq) -> None:
         self._unplan(seq)
@@ -138,16 +140,18 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
 
     def _preempt_swap(self, seq: Seq) -> None:
         computed = blocks_needed(seq.num_computed_tokens, self.bs)
-        event("swap out")
+        released = released_prefix(seq.block_table)
+        event("swap out" + (" behind released blocks" if released else ""))
         if set(seq.block_table[:computed]) & {dst for _, dst in self.kv._copies}:
             event("swap out of a block whose copy-on-write is pending")
-        host = self.swap.allocate(computed)
-        assert len(set(host)) == computed
-        # exactly what Scheduler._preempt records: a block given a private copy in this step is saved from its source
-        self.swap_out.append((self.kv.current_contents(seq.block_table[:computed]), host))
+        host = self.swap.allocate(computed - released)
+        assert len(set(host)) == computed - released
+        # exactly what Scheduler._preempt records: a block given a private copy in this step is saved from its source;
+        # blocks a sliding window gave back (the null block) are not saved
+        self.swap_out.append((self.kv.current_contents(seq.block_table[released:computed]), host))
         self._unplan(seq)
         self.kv.free(seq)
-        seq.host, seq.status = host, "swapped"
+        seq.host, seq.status = [RELEASED] * released + host, "swapped"
         self.preempted = True
 
     def _preempt(self, victim: Seq, data) -> None:
@@ -180,6 +184,33 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
                     break
             if seq.status == "running":
                 self.plan.append([seq, n])
+
+    def _releasable(self) -> list[Seq]:
+        return self._with("running", lambda s: s.num_computed_tokens > 0 and s.name not in self.considered)
+
+    @precondition(lambda self: self.may_grow and self._releasable())
+    @rule(data=st.data())
+    def release(self, data):
+        """Scheduler.schedule on a model with one sliding window on every layer, before a running sequence's
+        slots: its blocks wholly behind the window go back (their entries become the null block)."""
+        seq = data.draw(st.sampled_from(self._releasable()), label="seq")
+        first_needed = data.draw(st.integers(0, seq.num_computed_tokens), label="first slot still needed")
+        table, refs = list(seq.block_table), {b: self.pool.blocks[b].ref_count for b in seq.block_table}
+        free = self.kv.num_free_blocks
+        gone = self.kv.release_behind(seq, first_needed)
+        count = first_needed // self.bs
+        if self.kv.enable_prefix_caching:
+            count = min(count, seq.num_published_blocks - 1)
+        count = max(count, 0)
+        expected = [NULL_BLOCK] * count + table[count:] if count > released_prefix(table) else table
+        assert seq.block_table == expected, (table, seq.block_table, count)
+        dropped = [b for b in table[:count] if b != NULL_BLOCK] if count > released_prefix(table) else []
+        assert gone == len(dropped)
+        for b in set(dropped):
+            assert self.pool.blocks[b].ref_count == refs[b] - dropped.count(b)
+        assert self.kv.num_free_blocks == free + sum(1 for b in set(dropped) if self.pool.blocks[b].ref_count == 0)
+        if gone:
+            event("released blocks behind a window")
 
     # ---- schedule: admission (only when nothing was preempted in this schedule) -------------------------------
     def _admit(self, seq: Seq, n_strategy, data) -> None:
@@ -222,11 +253,12 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
         if blocks_needed(seq.num_tokens, self.bs) > self.kv.num_free_blocks:  # Scheduler._swap_in's check
             return
         event("swap in")
-        device = self.kv.allocate_blocks(len(seq.host))
+        host = [h for h in seq.host if h != RELEASED]  # Scheduler._swap_in: the released run stays the null block
+        device = self.kv.allocate_blocks(len(host))
         assert len(set(device)) == len(device) and NULL_BLOCK not in device
         assert all(self.pool.blocks[b].ref_count == 1 for b in device)
-        seq.block_table = device
-        self.swap_in.append((seq.host, device, seq))
+        seq.block_table = [NULL_BLOCK] * (len(seq.host) - len(host)) + device
+        self.swap_in.append((host, device, seq))
         seq.host, seq.status = [], "running"
         n = data.draw(st.integers(1, seq.num_tokens - seq.num_computed_tokens), label="n")
         assert self._allocate(seq, n), "Scheduler._swap_in checked room for the whole request"
@@ -294,10 +326,11 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
         """Another sample starts from `parent`'s just-computed tokens (Scheduler._start_fork)."""
         self.names += 1
         child = Seq(self.names, list(parent.all_token_ids), parent.prompt_len, parent.salt)
-        refs = [self.pool.blocks[b].ref_count for b in parent.block_table]
+        held = [b for b in parent.block_table if b != NULL_BLOCK]
+        refs = [self.pool.blocks[b].ref_count for b in held]
         self.kv.fork(parent, child)
         assert child.block_table == parent.block_table and child.block_table is not parent.block_table
-        assert [self.pool.blocks[b].ref_count for b in parent.block_table] == [r + 1 for r in refs]
+        assert [self.pool.blocks[b].ref_count for b in held] == [r + 1 for r in refs]
         assert child.num_published_blocks == parent.num_published_blocks
         child.num_computed_tokens, child.status = parent.num_computed_tokens, "running"
         self.seqs.append(child)
@@ -307,7 +340,7 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
         self.kv.free(seq)
         assert seq.block_table == [] and seq.num_published_blocks == 0
         if seq.host:
-            self.swap.free(seq.host)
+            self.swap.free([h for h in seq.host if h != RELEASED])
             seq.host = []
         self.seqs.remove(seq)
 

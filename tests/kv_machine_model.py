@@ -124,6 +124,7 @@ class KVInvariants:
             assert self.content[block.block_id] == [(salt, tokens[:start + j + 1]) for j in range(self.bs)], \
                 f"cached block {block.block_id} does not hold what it is cached for"
             parent = block.parent
+            assert parent is None or parent.block_id != NULL_BLOCK, f"block {block.block_id} chained to the null block"
             if parent is not None and parent.generation == block.parent_generation and parent.block_hash is not None:
                 assert self.published[parent.block_id] == (salt, tokens[:start])
             if parent is None:

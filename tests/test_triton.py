@@ -338,3 +338,20 @@ def test_engine_greedy_parity_with_triton_backend(arch):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="paged",
                          cache_config={"attention_backend": "triton", "block_size": 8, "max_num_batched_tokens": 16})
     assert torch.equal(out, ref)
+
+
+def test_blocks_behind_the_window_on_the_triton_kernels(engine_runs):
+    """Mistral (one window on every layer) on the Triton kernels: block tables that start with released (null) blocks
+    give HF generate's tokens."""
+    if DEVICE.type != "cpu":
+        pytest.skip("covered on GPU by tests/test_gpu.py")
+    from conftest import left_padded_batch
+    from hf_paged.tiny import tiny_model
+
+    model = tiny_model("mistral")
+    ids, mask = left_padded_batch([5, 14, 9], seed=5)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, cache_implementation="paged",
+                         cache_config={"attention_backend": "triton", "block_size": 4, "max_num_batched_tokens": 16})
+    assert torch.equal(out, ref)
+    assert engine_runs[0].engine.stats()["num_blocks_released"] >= 3

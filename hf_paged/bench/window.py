@@ -3,6 +3,7 @@ fixed KV pool; the engine giving back the blocks behind the window vs the same e
 
     hf-paged bench window                     # window 128, 32 requests, 512 new tokens each, a 160-block pool
     hf-paged bench window --small             # quick smoke run
+    hf-paged bench window --plot              # also a PNG: running requests and blocks in use over time
 
 Model: a random-weight Mistral built from a config (hidden 256, 4 layers, 4 heads, 2 KV heads, vocab 1000, fp32,
 `--window` on every layer; output head scaled so greedy choices have clear margins). Workload: `--requests` prompts
@@ -21,8 +22,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
-from .common import default_json, emit_result, format_table, run_worker, set_threads, write_json
+from .common import default_json, emit_result, format_table, pyplot, run_worker, save_figure, set_threads, write_json
 
 SYSTEMS = ("release", "keep")
 
@@ -37,6 +39,9 @@ def parse_args(argv):
     parser.add_argument("--small", action="store_true", help="hidden 64, 2 layers, window 16, 8 x 64 tokens")
     parser.add_argument("--json", default=default_json("window"),
                         help="where to write the results (default: %(default)s in the current folder)")
+    parser.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                        help="write a PNG of running requests and blocks in use over time (needs matplotlib; default "
+                             "path: the JSON's, ending .png)")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -66,13 +71,15 @@ def worker(args) -> dict:
     engine = llm.engine
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     groups = [engine.add_request(prompt, params) for prompt in workload(args)]
-    running, in_use = [], []
+    running, in_use, times = [], [], []
     start = time.perf_counter()
     while engine.has_unfinished:
         engine.step()
         running.append(len(engine.scheduler.running))
         in_use.append(engine.scheduler.kv.pool.num_blocks - engine.scheduler.kv.num_free_blocks)
+        times.append(time.perf_counter() - start)
     seconds = time.perf_counter() - start
+    every = max(1, len(times) // 400)  # at most ~400 points per series for the plot
     stats = llm.stats()
     engine.check_idle()
     return {"system": args.worker, "seconds": seconds, "threads": threads,
@@ -81,6 +88,7 @@ def worker(args) -> dict:
             "peak_running": max(running), "mean_running": sum(running) / len(running),
             "peak_blocks_in_use": max(in_use), "num_preemptions": stats["num_preemptions"],
             "num_blocks_released": stats["num_blocks_released"], "window": engine.scheduler.release_window,
+            "series": [[round(t, 4), r, b] for t, r, b in list(zip(times, running, in_use))[::every]],
             "tokens": [g.samples[0].output_token_ids for g in groups]}
 
 
@@ -92,6 +100,9 @@ def main(argv=None) -> int:
         emit_result(worker(args))
         return 0
     passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--small"]
+    if args.plot is not None:  # --plot [PNG] is the parent's alone
+        at = passed.index("--plot")
+        del passed[at:at + (2 if at + 1 < len(passed) and not passed[at + 1].startswith("--") else 1)]
     small = ["--window", "16", "--requests", "8", "--max-tokens", "64", "--num-blocks", "24"] if args.small else []
     results = [run_worker(["-m", "hf_paged.bench.window", *passed, *small, "--worker", system]) for system in SYSTEMS]
     identical = results[0]["tokens"] == results[1]["tokens"]
@@ -109,7 +120,27 @@ def main(argv=None) -> int:
                                   "max_tokens": args.max_tokens, "num_blocks": args.num_blocks, "small": args.small,
                                   "identical": identical, "results": results})
     print(f"results written to {path}")
+    if args.plot is not None:
+        plot(Path(args.plot) if args.plot else Path(path).with_suffix(".png"), results, args)
     return 0 if identical else 1
+
+
+def plot(path: Path, results: list[dict], args) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, r in enumerate(results):
+        t = [s[0] for s in r["series"]]
+        label = f"{r['system']} ({r['seconds']:.1f} s)"
+        ax1.plot(t, [s[1] for s in r["series"]], color=f"C{i}", label=label, linewidth=1)
+        ax2.plot(t, [s[2] for s in r["series"]], color=f"C{i}", label=label, linewidth=1)
+    ax1.set(xlabel="seconds", ylabel="running requests", title="requests running per step")
+    ax2.set(xlabel="seconds", ylabel="KV blocks in use", title=f"blocks in use (pool: {args.num_blocks})")
+    for ax in (ax1, ax2):
+        ax.legend()
+    fig.suptitle(f"sliding window {args.window}: {args.requests} requests x {args.max_tokens} new tokens")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

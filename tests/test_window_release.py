@@ -143,3 +143,64 @@ def test_abort_mid_run_frees_everything():
     while llm.engine.has_unfinished:
         llm.engine.step()
     llm.engine.check_idle()
+
+
+def test_the_returned_cache_knows_what_the_window_released():
+    """`generate(..., return_dict_in_generate=True)` returns a PagedCache whose sliding layers hold only what their
+    next query sees (the engine gave the rest back): continuing equals one longer call, and a crop that would need the
+    released positions raises instead of continuing from zeros (HF's own sliding layer raises there too)."""
+    model = windowed()
+    ids = torch.tensor(prompts(1, seed=10, lengths=(30, 31)))
+    kwargs = dict(do_sample=False, cache_implementation="paged", cache_config={"block_size": 2})
+    first = model.generate(ids, max_new_tokens=30, min_new_tokens=30, return_dict_in_generate=True, **kwargs)
+    assert first.cache.store.num_released_tokens == 60 - WINDOW  # the next query (at 59) sees from 44
+    with pytest.raises(RuntimeError, match="sliding window"):
+        first.cache.crop(-20)
+    rest = model.generate(first.sequences, cache=first.cache, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    assert torch.equal(rest, model.generate(ids, max_new_tokens=40, min_new_tokens=40, do_sample=False))
+
+
+def test_non_finite_k_v_behind_the_window_is_never_served_again():
+    """A request whose prompt goes non-finite mid-way (a NaN embedding row) ends with an error; the blocks its window
+    already gave back hold NaN too: they leave the prefix map and are cleared before reuse, so the same prompt run
+    cleanly afterwards equals an engine that keeps every block."""
+    model = windowed()
+    poison = 77
+    prompt = list(range(100, 110)) + [poison] + list(range(120, 154))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    results = []
+    for keep in (True, False):
+        llm = LLM(model, block_size=2, num_blocks=64, long_prefill_token_threshold=6)
+        if keep:
+            llm.engine.scheduler.release_window = None
+        weight = model.get_input_embeddings().weight
+        saved = weight.data[poison].clone()
+        weight.data[poison] = float("nan")
+        try:
+            poisoned = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        finally:
+            weight.data[poison] = saved
+        assert poisoned.finish_reason == "error"
+        assert keep or llm.stats()["num_blocks_released"] > 0
+        clean = llm.generate([prompt, prompts(1, seed=11, lengths=(40, 41))[0]], params, use_tqdm=False)
+        results.append([o.outputs[0].token_ids for o in clean])
+        assert all(o.outputs[0].finish_reason == "length" for o in clean)
+        llm.engine.check_idle()
+    assert results[0] == results[1]
+
+
+def test_a_changed_window_is_checked_again():
+    """The window is what the model's attention does now: changing the config's window starts a fresh check."""
+    model = tiny_model_with_window(8)
+    assert LLM(model, block_size=2, num_blocks=64).engine.scheduler.release_window == 8
+    model.config.sliding_window = 24
+    assert LLM(model, block_size=2, num_blocks=64).engine.scheduler.release_window == 24
+    ids, mask = left_padded_batch([30, 12], seed=12)
+    assert_same_as_hf(model, ids, mask, paged_kwargs={"cache_config": {"block_size": 2}}, max_new_tokens=30,
+                      do_sample=False)
+
+
+def tiny_model_with_window(window: int):
+    from hf_paged.tiny import tiny_model
+
+    return tiny_model("mistral", sliding_window=window)  # a private copy: the test changes its config

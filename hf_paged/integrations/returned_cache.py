@@ -4,7 +4,8 @@ a `PagedCache` in HF's layout, so `generate(out.sequences, cache=out.cache, ...)
 The engine keeps a row's K/V without its padding; HF's cache has one slot per column of `sequences` but the last.
 Each finished row's K/V is copied out of the engine's pages just before they are freed (a scheduler release hook)
 and placed at the row's real columns (its prompt's unmasked columns, then its generated ones); padding columns
-hold zeros, which the attention mask hides, as HF's own padding slots are.
+hold zeros, which the attention mask hides, as HF's own padding slots are. Sliding-window layers keep only what their
+next query sees (as after any write to a PagedCache): the engine may have given the rest back already.
 """
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ class KVSnapshots:
                 full_v[row, columns[keep].to(v.device)] = v[keep.to(v.device)].to(dtype)
             if layer < len(cache.layers) and isinstance(cache.layers[layer], PagedLayer):
                 cache.layers[layer].append(full_k.transpose(1, 2), full_v.transpose(1, 2))
+        for paged in cache.layers:  # what a window left behind is gone (the engine may have released it: zeros)
+            if isinstance(paged, PagedLayer) and paged.sliding_window:
+                paged.store.release_before(paged.first_visible(width))
         return cache
 
 

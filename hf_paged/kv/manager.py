@@ -203,6 +203,11 @@ class KVCacheManager:
         for block_id in held(request.block_table):
             self.pool.uncache(block_id)
             self._clean[block_id] = 0
+        released = len(request.block_table) - len(held(request.block_table))  # a leading run (`release_behind`)
+        for key in request.block_hashes[:released]:  # released blocks stay in the prefix map: find them by key
+            block = self.pool.cached.get(key)
+            if block is not None:
+                self.pool.uncache(block.block_id)
 
     def free(self, request: Sequence) -> None:
         self.pool.free(held(request.block_table))
@@ -212,8 +217,9 @@ class KVCacheManager:
     def release_behind(self, request: Sequence, first_needed: int) -> int:
         """Give back the blocks that hold only slots before `first_needed` (a sliding window's next queries never read
         them); their entries become the null block. Only published blocks go (they stay in the prefix map, free to
-        serve a later hit until evicted), so the prefix chain of the ones still to publish is intact. Returns how
-        many blocks went back."""
+        serve a later hit until evicted), so the prefix chain of the ones still to publish is intact. They count as
+        not clean: a forward pass may have written non-finite K/V into them that no sampled row has revealed yet (a
+        prompt's chunks), so each is cleared before it is handed out again. Returns how many blocks went back."""
         count = max(first_needed, 0) // self.block_size
         if self.enable_prefix_caching:  # the last published block stays: the next one to publish chains to it
             count = min(count, request.num_published_blocks - 1)
@@ -224,6 +230,8 @@ class KVCacheManager:
         if gone:
             self.pool.free(gone)
             table[:count] = [NULL_BLOCK] * min(count, len(table))
+            for block in gone:
+                self._clean[block] = 0
         return len(gone)
 
 

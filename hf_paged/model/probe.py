@@ -65,9 +65,10 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
                                        f"cache cannot be paged")
         rows = torch.tensor(query_lens, device=device).cumsum(0) - 1
         results.append(out.logits[0, rows].float())
-    windows = set(context.windows)
+    windows = set(context.windows)  # of the decode forward (every layer ran once)
     window = windows.pop() if len(windows) == 1 else None
-    return results, window if isinstance(window, int) and window > 0 else None
+    valid = isinstance(window, int) and not isinstance(window, bool) and window > 0
+    return results, window if valid else None
 
 
 def _own_logits(model, ids: list[int], device) -> torch.Tensor:
@@ -89,12 +90,19 @@ def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(diff.max()) / max(scale, 1e-6)
 
 
+def _window_fields(config) -> tuple:
+    """What the config says of windows (attention modules read it on every forward): a change checks again."""
+    text = config.get_text_config(decoder=True)
+    return tuple(repr(getattr(text, name, None)) for name in ("sliding_window", "layer_types", "use_sliding_window",
+                                                              "max_window_layers", "attention_chunk_size"))
+
+
 @torch.inference_mode()
 def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> int | None:
     """Raise ValueError when the paged forward does not reproduce the model's own logits (see the module doc).
     Returns the sliding window every layer applies, or None."""
     dtype = next(model.parameters()).dtype
-    key = (backends.name, str(dtype), str(spec.kv.device))
+    key = (backends.name, str(dtype), str(spec.kv.device), _window_fields(model.config))
     verdicts = model.__dict__.setdefault("_hf_paged_probe", {})
     windows = model.__dict__.setdefault("_hf_paged_window", {})
     if key in verdicts:

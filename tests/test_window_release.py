@@ -182,6 +182,10 @@ def test_non_finite_k_v_behind_the_window_is_never_served_again():
             weight.data[poison] = saved
         assert poisoned.finish_reason == "error"
         assert keep or llm.stats()["num_blocks_released"] > 0
+        kv, storage = llm.engine.scheduler.kv, llm.engine.memory.cache.storage
+        assert storage.isnan().any(), "the poison never reached the cache: the test would prove nothing"
+        for block in range(1, kv.pool.num_blocks + 1):  # a block handed out uncleared must hold no NaN
+            assert not (kv._clean[block] and storage[:, :, block].isnan().any()), block
         clean = llm.generate([prompt, prompts(1, seed=11, lengths=(40, 41))[0]], params, use_tqdm=False)
         results.append([o.outputs[0].token_ids for o in clean])
         assert all(o.outputs[0].finish_reason == "length" for o in clean)

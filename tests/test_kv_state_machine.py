@@ -318,6 +318,8 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
             record = (seq.salt, tuple(seq.all_token_ids[:(i + 1) * self.bs]))
             if before[b] is None and self.pool.blocks[b].block_hash is not None:
                 self.published[b] = record
+                parent = self.pool.blocks[b].parent  # a lookup reaches a block only through its cached parent
+                assert parent is None or parent.block_hash is not None, f"block {b} published under an unfindable parent"
             elif self.pool.blocks[b].block_hash is not None:
                 assert self.published[b] == record, f"block {b} is cached for other tokens than {seq} holds there"
 

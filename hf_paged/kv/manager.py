@@ -123,9 +123,11 @@ class KVCacheManager:
         keys = self._hashes(request, full)
         table, blocks = request.block_table, self.pool.blocks
         for i in range(request.num_published_blocks, full):
-            if table[i] == NULL_BLOCK or (i > 0 and table[i - 1] == NULL_BLOCK):
-                continue  # released (a swapped-in request's window): no block, or no parent to chain it to
             parent = blocks[table[i - 1]] if i > 0 else None
+            if table[i] == NULL_BLOCK or (parent is not None and parent.block_hash is None):
+                # released (a swapped-in request's window), or its parent is not findable (released, or its key
+                # already served by another block): no lookup could reach it, so it must not take the key
+                continue
             self.pool.cache(table[i], keys[i], tokens[i * bs:(i + 1) * bs], parent)
         request.num_published_blocks = full
 

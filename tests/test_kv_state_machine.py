@@ -250,7 +250,8 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
     def swap_back_in(self, data):
         seq = data.draw(st.sampled_from(self._with("swapped")), label="swapped")
         self.admitting = True
-        if blocks_needed(seq.num_tokens, self.bs) > self.kv.num_free_blocks:  # Scheduler._swap_in's check
+        released = sum(1 for h in seq.host if h == RELEASED)
+        if blocks_needed(seq.num_tokens, self.bs) - released > self.kv.num_free_blocks:  # Scheduler._swap_in's check
             return
         event("swap in")
         host = [h for h in seq.host if h != RELEASED]  # Scheduler._swap_in: the released run stays the null block

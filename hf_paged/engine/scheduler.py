@@ -197,12 +197,13 @@ class Scheduler:
         return returned
 
     def _swap_in(self, request: Request, plan: StepPlan) -> bool:
-        """Give a swapped request device blocks for everything it holds plus its growth, and queue the copy."""
-        if blocks_needed(request.num_tokens, self.kv.block_size) > self.kv.num_free_blocks:
-            return False
+        """Give a swapped request device blocks for everything it holds plus its growth (not for the blocks its window
+        gave back), and queue the copy."""
         host = [h for h in request.swapped_blocks if h != RELEASED]
-        device = self.kv.allocate_blocks(len(host))
         released = len(request.swapped_blocks) - len(host)
+        if blocks_needed(request.num_tokens, self.kv.block_size) - released > self.kv.num_free_blocks:
+            return False
+        device = self.kv.allocate_blocks(len(host))
         request.block_table = [NULL_BLOCK] * released + device
         plan.swap_in.append((host, list(device)))  # a copy: the table grows on in this step
         request.swapped_blocks = []

@@ -196,15 +196,11 @@ class KVMachine(KVInvariants, RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self._releasable()), label="seq")
         first_needed = data.draw(st.integers(0, seq.num_computed_tokens), label="first slot still needed")
         table, refs = list(seq.block_table), {b: self.pool.blocks[b].ref_count for b in seq.block_table}
-        free = self.kv.num_free_blocks
-        gone = self.kv.release_behind(seq, first_needed)
-        count = first_needed // self.bs
-        if self.kv.enable_prefix_caching:
-            count = min(count, seq.num_published_blocks - 1)
-        count = max(count, 0)
-        expected = [NULL_BLOCK] * count + table[count:] if count > released_prefix(table) else table
-        assert seq.block_table == expected, (table, seq.block_table, count)
-        dropped = [b for b in table[:count] if b != NULL_BLOCK] if count > released_prefix(table) else []
+        free, gone = self.kv.num_free_blocks, self.kv.release_behind(seq, first_needed)
+        limit = seq.num_published_blocks - 1 if self.kv.enable_prefix_caching else first_needed // self.bs
+        count = max(min(first_needed // self.bs, limit), released_prefix(table))
+        assert seq.block_table == [NULL_BLOCK] * count + table[count:], (table, seq.block_table, count)
+        dropped = [b for b in table[:count] if b != NULL_BLOCK]
         assert gone == len(dropped)
         for b in set(dropped):
             assert self.pool.blocks[b].ref_count == refs[b] - dropped.count(b)

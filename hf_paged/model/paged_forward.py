@@ -25,7 +25,7 @@ class PagedForwardContext:
     kv_cache: KVCache
     backends: AttentionBackends
     num_calls: int = 0  # attention calls that reached the paged function in this forward (one per layer)
-    windows: list = field(default_factory=list)  # the sliding_window each of those calls passed (None: none)
+    windows: list | None = None  # the start-up check's list: gets the sliding_window each call passed (None: none)
 
 
 # keywords an attention module may pass that change nothing here (the engine's own, or flags it already honours)
@@ -82,7 +82,8 @@ def attend_paged(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     new K/V go into their slots, then attention over each sequence's pages. Counts the call (the start-up check
     compares the count with the number of layers)."""
     context.num_calls += 1
-    context.windows.append(sliding_window)
+    if context.windows is not None:
+        context.windows.append(sliding_window)
     layer = module.layer_idx if layer is None else layer
     cache = context.kv_cache
     spec = cache.spec

@@ -50,7 +50,7 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
             query_lens.append(last - first)
             context_lens.append(last)
         metadata = AttentionMetadata.build(query_lens, context_lens, tables, slots, BLOCK_SIZE, device)
-        context = PagedForwardContext(metadata, cache, backends)
+        context = PagedForwardContext(metadata, cache, backends, windows=[])
         with paged_attention_active(spec.configs):
             out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
                         use_cache=False, paged_context=context)

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from hypothesis.stateful import invariant
 
-from hf_paged.engine.scheduler import RELEASED, released_prefix
-from hf_paged.kv import NULL_BLOCK, blocks_needed
+from hf_paged.engine.scheduler import RELEASED
+from hf_paged.kv import NULL_BLOCK, blocks_needed, released_prefix
 from hf_paged.kv import manager as kv_manager  # its hash_block: the colliding-keys variant patches it
 
 GARBAGE, ZERO, NAN = "garbage", "zero", "nan"

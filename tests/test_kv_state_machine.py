@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 import torch
 
-from hf_paged.engine.scheduler import RELEASED, released_prefix
-from hf_paged.kv import NULL_BLOCK, KVCache, KVCacheManager, KVCacheSpec, blocks_needed
+from hf_paged.engine.scheduler import RELEASED
+from hf_paged.kv import NULL_BLOCK, KVCache, KVCacheManager, KVCacheSpec, blocks_needed, released_prefix
 from hf_paged.kv.swap import SwapPool
 from kv_machine_model import GARBAGE, NAN, ZERO, KVInvariants, Seq
 

@@ -99,12 +99,11 @@ def main(argv=None) -> int:
     if args.worker:
         emit_result(worker(args))
         return 0
-    passed = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--small"]
+    passed = list(argv if argv is not None else sys.argv[1:])  # --small too: the workers apply it as above
     if args.plot is not None:  # --plot [PNG] is the parent's alone
         at = passed.index("--plot")
         del passed[at:at + (2 if at + 1 < len(passed) and not passed[at + 1].startswith("--") else 1)]
-    small = ["--window", "16", "--requests", "8", "--max-tokens", "64", "--num-blocks", "24"] if args.small else []
-    results = [run_worker(["-m", "hf_paged.bench.window", *passed, *small, "--worker", system]) for system in SYSTEMS]
+    results = [run_worker(["-m", "hf_paged.bench.window", *passed, "--worker", system]) for system in SYSTEMS]
     identical = results[0]["tokens"] == results[1]["tokens"]
     for r in results:
         del r["tokens"]

@@ -10,7 +10,7 @@ from collections import deque
 from typing import Callable
 
 from ..config import EngineConfig
-from ..kv import NULL_BLOCK, KVCacheManager, blocks_needed
+from ..kv import NULL_BLOCK, KVCacheManager, blocks_needed, released_prefix
 from ..kv.swap import SwapPool
 from ..request import Request, RequestStatus, apply_stop_rules
 from .plan import PreemptionCosts, StepOutcome, StepPlan
@@ -306,11 +306,3 @@ class Scheduler:
 
 
 RELEASED = -1  # in a swapped request's `swapped_blocks`: a slot of its table that a sliding window gave back
-
-
-def released_prefix(table: list[int]) -> int:
-    """How many leading entries of a block table a sliding window gave back (the null block)."""
-    count = 0
-    while count < len(table) and table[count] == NULL_BLOCK:
-        count += 1
-    return count

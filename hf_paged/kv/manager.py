@@ -205,8 +205,7 @@ class KVCacheManager:
         for block_id in held(request.block_table):
             self.pool.uncache(block_id)
             self._clean[block_id] = 0
-        released = len(request.block_table) - len(held(request.block_table))  # a leading run (`release_behind`)
-        for key in request.block_hashes[:released]:  # released blocks stay in the prefix map: find them by key
+        for key in request.block_hashes[:released_prefix(request.block_table)]:  # released blocks stay in the prefix map: find them by key
             block = self.pool.cached.get(key)
             if block is not None:
                 self.pool.uncache(block.block_id)
@@ -240,3 +239,11 @@ class KVCacheManager:
 def held(table: list[int]) -> list[int]:
     """A table's entries that hold a block (not the null block of a released slot)."""
     return [block for block in table if block != NULL_BLOCK]
+
+
+def released_prefix(table: list[int]) -> int:
+    """How many leading entries of a block table a sliding window gave back (the null block)."""
+    count = 0
+    while count < len(table) and table[count] == NULL_BLOCK:
+        count += 1
+    return count

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_pool import NULL_BLOCK, BlockPool
-from .manager import blocks_needed
+from .manager import blocks_needed, held
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ class PagedStore:
         for table in new_tables:
             self._take(table)
         for table in self.tables:
-            self.pool.free(_held(table))
+            self.pool.free(held(table))
         self.tables = new_tables
         self._tables_changed()
 
@@ -102,7 +102,7 @@ class PagedStore:
             return
         for table in self.tables:
             stop = min(count, len(table))
-            self.pool.free(_held(table[self.num_released_blocks:stop]))
+            self.pool.free(held(table[self.num_released_blocks:stop]))
             table[self.num_released_blocks:stop] = [NULL_BLOCK] * (stop - self.num_released_blocks)
         self.num_released_blocks = count
         self._tables_changed()
@@ -118,13 +118,13 @@ class PagedStore:
         self.num_released_blocks = min(self.num_released_blocks, keep)
         for table in self.tables:
             if len(table) > keep:
-                self.pool.free(_held(table[keep:]))
+                self.pool.free(held(table[keep:]))
                 del table[keep:]
         self._tables_changed()
 
     def clear(self) -> None:
         for table in self.tables:
-            self.pool.free(_held(table))
+            self.pool.free(held(table))
         self.tables = [[] for _ in self.tables]
         self.num_released_blocks = 0
         self._tables_changed()
@@ -203,7 +203,7 @@ class PagedStore:
         return table[:, positions // self.block_size] * self.block_size + positions % self.block_size
 
     def _take(self, table: list[int]) -> None:
-        for block_id in _held(table):
+        for block_id in held(table):
             self.pool.blocks[block_id].ref_count += 1
 
     def _allocate(self, count: int) -> list[int]:
@@ -245,8 +245,3 @@ class PagedStore:
                     self.pool.free([block_id])
                     table[index] = copy
                     self._tables_changed()
-
-
-def _held(table: list[int]) -> list[int]:
-    """The entries of a table that hold a block (not the null block of a released slot)."""
-    return [block for block in table if block != NULL_BLOCK]

@@ -5,8 +5,9 @@
     hf-paged demo [--model DIR]
     hf-paged bench throughput --small --json out.json
 
-Only the standard library is imported here at start-up: torch and transformers load when work starts, so `--help`
-answers at once. hf_paged is imported by absolute name, inside the functions that run work.
+Only the standard library (and hf_paged_cli, the front, standard library only) is imported here at start-up: torch
+and transformers load when work starts, so `--help` answers at once. hf_paged is imported by absolute name, inside
+the functions that run work.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from pathlib import Path
 from typing import Iterator
 from urllib.parse import urlparse
 
+from hf_paged_cli import CliError
+from hf_paged_cli.output_file import check_output, lines_done, write_line
+
 TINY = "tiny"
 BENCHMARKS = {  # name: what it measures (the modules are hf_paged.bench.NAME)
     "throughput": "output tok/s of LLM.generate vs HF generate and generate_batch",
@@ -33,10 +37,6 @@ BENCHMARKS = {  # name: what it measures (the modules are hf_paged.bench.NAME)
     "window": "a sliding-window model's long generations: blocks behind the window given back vs kept",
 }
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-class CliError(Exception):
-    """A problem the user can fix: printed as one line, no traceback."""
 
 
 # --- options --------------------------------------------------------------------------------------------------
@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "keys (such as \"id\") are copied to the output line")
     source.add_argument("--prompt", action="append", help="a prompt (repeat for several); prints each prompt and "
                         "its completion")
-    p.add_argument("--output", type=Path, help="JSON lines: prompt, text, token_ids, finish_reason, input_line and "
-                   "the input's other keys (required with --input)")
+    p.add_argument("--output", type=Path, help="JSON lines: prompt, text, token_ids, finish_reason, input_line, "
+                   "options (the generation options: a rerun must use the same) and the input's other keys "
+                   "(required with --input)")
     add_sampling_args(p, max_tokens=64)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=generate)
@@ -162,12 +163,26 @@ def load(args, kwargs: dict):
 
 
 def engine_options(args) -> dict:
+    """The engine options of the command line, checked (EngineConfig.validate): a bad one is a CliError naming it."""
+    from hf_paged.config import EngineConfig
+
     options = {"block_size": args.block_size}
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
     if args.max_num_seqs is not None:
         options["max_num_seqs"] = args.max_num_seqs
+    try:
+        EngineConfig(**options).validate()
+    except ValueError as e:  # the message starts with the option's name
+        name = str(e).split()[0]
+        raise CliError(f"--{name.replace('_', '-')}{str(e)[len(name):]}" if name in options else str(e)) from None
     return options
+
+
+def generation_options(args) -> dict:
+    """What --input runs' lines depend on besides the model: stored in each output line ("options")."""
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "seed": args.seed}
 
 
 # --- prompt jobs ----------------------------------------------------------------------------------------------
@@ -223,31 +238,8 @@ def parse_line(raw: bytes, number: int, jsonl: bool, tokenizer) -> Job | Bad | N
     return Job(number, list(ids), text, extra)
 
 
-def lines_done(output: Path) -> set[int]:
-    """Input line numbers already in `output` (a rerun skips them). A torn last line (an interrupted write) is
-    cut off so that appending continues cleanly."""
-    if not output.exists():
-        return set()
-    done, keep = set(), 0
-    with open(output, "rb") as f:
-        for raw in f:
-            try:
-                done.add(int(json.loads(raw)["input_line"]))
-            except (ValueError, KeyError, TypeError):
-                if raw.endswith(b"\n"):
-                    raise CliError(f"{output}: a line without input_line is not an hf-paged output; choose "
-                                   f"another --output") from None
-                break
-            keep += len(raw)
-    if keep < output.stat().st_size:
-        with open(output, "r+b") as f:
-            f.truncate(keep)
-    return done
-
-
-def prompt_file_jobs(path: Path, output: Path, tokenizer) -> tuple[Iterator[Job | Bad], int, int]:
-    """(the jobs of the lines not yet in `output`, how many that is at most, how many are already there)."""
-    done = lines_done(output)
+def prompt_file_jobs(path: Path, done: set[int], tokenizer) -> tuple[Iterator[Job | Bad], int]:
+    """(the jobs of the lines not in `done` (already in the output), how many that is at most)."""
     jsonl = path.suffix.lower() in (".jsonl", ".json")
     with open(path, "rb") as f:
         total = sum(1 for number, raw in enumerate(f, 1) if raw.strip() and number not in done)
@@ -257,17 +249,7 @@ def prompt_file_jobs(path: Path, output: Path, tokenizer) -> tuple[Iterator[Job 
             for number, raw in enumerate(f, 1):
                 if number not in done and (job := parse_line(raw, number, jsonl, tokenizer)) is not None:
                     yield job
-    return jobs(), total, len(done)
-
-
-def write_line(sink, job: Job, output) -> None:
-    completion = output.outputs[0]
-    record = {**job.extra, "prompt": job.text, "text": completion.text, "token_ids": list(completion.token_ids),
-              "finish_reason": completion.finish_reason, "input_line": job.line}
-    if completion.error:
-        record["error"] = completion.error
-    sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-    sink.flush()
+    return jobs(), total
 
 
 def print_completion(job: Job, output) -> None:
@@ -314,37 +296,46 @@ def run_jobs(llm, jobs, params, sink, report, total: int, progress: bool, window
 
 # --- commands -------------------------------------------------------------------------------------------------
 def generate(args) -> int:
-    if args.input is not None and args.output is None:
-        raise CliError("--input needs --output (a .jsonl file; a rerun skips the lines already in it)")
-    if args.input is not None and not args.input.is_file():
-        raise CliError(f"input file {args.input} does not exist")
+    if args.input is not None:
+        if args.output is None:
+            raise CliError("--input needs --output (a .jsonl file; a rerun skips the lines already in it)")
+        if not args.input.is_file():
+            raise CliError(f"input file {args.input} does not exist")
+        check_output(args.output)
     where = locate(args.model) if args.model != TINY else {}  # before torch loads: a model out of reach fails fast
+    options = engine_options(args)
     from hf_paged import LLM, SamplingParams
 
-    model, tokenizer = load(args, where)
-    llm = LLM(model, tokenizer=tokenizer, **engine_options(args))
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
         params.validate()
     except ValueError as e:
         raise CliError(str(e)) from None
+    done = lines_done(args.output, generation_options(args)) if args.input is not None else set()
+    model, tokenizer = load(args, where)
+    try:
+        llm = LLM(model, tokenizer=tokenizer, **options)
+    except ValueError as e:  # the engine's checks of its options against this model and machine
+        raise CliError(f"cannot start the engine: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     progress = not args.no_progress
     if args.prompt is not None:
         jobs = [Job(k + 1, text, text, {}) for k, text in enumerate(args.prompt)]
         tally = run_jobs(llm, jobs, params, print_completion, lambda n, why: print(f"prompt {n}: skipped: {why}",
                          file=sys.stderr), total=len(jobs), progress=progress and len(jobs) > 1)
         return 0 if tally.failed == 0 else 1
-    jobs, total, already = prompt_file_jobs(args.input, args.output, tokenizer)
+    jobs, total = prompt_file_jobs(args.input, done, tokenizer)
 
     def report(line: int, reason: str) -> None:
         from tqdm.auto import tqdm
 
         tqdm.write(f"{args.input}:{line}: skipped: {reason}", file=sys.stderr)
 
+    stored = generation_options(args)
     with open(args.output, "a", encoding="utf-8") as sink:
-        tally = run_jobs(llm, jobs, params, lambda job, out: write_line(sink, job, out), report, total, progress)
-    print(f"{args.output}: {tally.written} lines written, {already} already there, {tally.failed} input lines "
+        tally = run_jobs(llm, jobs, params, lambda job, out: write_line(sink, job, out, stored), report, total,
+                         progress)
+    print(f"{args.output}: {tally.written} lines written, {len(done)} already there, {tally.failed} input lines "
           f"skipped", file=sys.stderr)
     return 0 if tally.failed == 0 else 1
 
@@ -352,8 +343,10 @@ def generate(args) -> int:
 def demo(args) -> int:
     from hf_paged.bench.demo import run_demo
 
-    model, tokenizer = load(args, locate(args.model)) if args.model != TINY else (None, None)
-    return run_demo(model, tokenizer, args, engine_options(args))
+    where = locate(args.model) if args.model != TINY else None
+    options = engine_options(args)
+    model, tokenizer = load(args, where) if where is not None else (None, None)
+    return run_demo(model, tokenizer, args, options)
 
 
 def bench(args) -> int:

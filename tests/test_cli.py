@@ -136,3 +136,57 @@ def test_user_errors_are_one_line(argv, message, capsys, tmp_path, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_resume_after_a_whole_last_line_without_its_newline(tmp_path, one_torch_thread):
+    """The last record complete but its newline lost (killed between the two writes): the rerun must not glue the
+    next record onto it."""
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    prompts.write_text("one\ntwo\nthree\n")
+    argv = ["generate", "--model", "tiny", "--input", str(prompts), "--output", str(out), "--max-tokens", "3",
+            "--no-progress"]
+    assert main(argv) == 0
+    whole = out.read_text()
+    lines = whole.splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1].rstrip("\n"))
+    assert main(argv) == 0
+    assert out.read_text() == whole
+    assert [json.loads(line)["input_line"] for line in out.read_text().splitlines()] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--output", "missing/out.jsonl"], "the folder missing does not exist"),
+    (["--output", "."], "--output . is a folder"),
+    (["--output", "o.jsonl", "--block-size", "3"], "--block-size must be a power of two, got 3"),
+    (["--output", "o.jsonl", "--num-blocks", "0"], "--num-blocks must be an integer >= 1, got 0"),
+    (["--output", "o.jsonl", "--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1, got 0"),
+])
+def test_bad_output_and_engine_options_are_one_line(options, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("p.txt").write_text("hello\n")
+    assert main(["generate", "--model", "tiny", "--input", "p.txt", *options]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not Path("o.jsonl").exists()  # refused before anything ran
+
+
+def test_a_rerun_with_other_generation_options_is_refused(tmp_path, capsys, one_torch_thread):
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "out.jsonl"
+    prompts.write_text("one\ntwo\n")
+    argv = ["generate", "--model", "tiny", "--input", str(prompts), "--output", str(out), "--no-progress"]
+    assert main([*argv, "--max-tokens", "3"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    before = out.read_text()
+    capsys.readouterr()
+    for other, differ in ((["--max-tokens", "4"], "--max-tokens 3 there, 4 now"),
+                          (["--max-tokens", "3", "--temperature", "0.5", "--seed", "1"],
+                           "--temperature 0.0 there, 0.5 now, --seed None there, 1 now")):
+        assert main([*argv, *other]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and differ in err and "new --output" in err and str(out) in err, err
+        assert out.read_text() == before
+    assert rows[0]["options"] == {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None}
+    # a file of an older version (no "options" in its lines) is still resumed as it is
+    out.write_text(json.dumps({k: v for k, v in rows[0].items() if k != "options"}) + "\n")
+    assert main([*argv, "--max-tokens", "3"]) == 0
+    assert [json.loads(line)["token_ids"] for line in out.read_text().splitlines()] == [r["token_ids"] for r in rows]

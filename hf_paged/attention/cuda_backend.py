@@ -3,9 +3,11 @@ attention/backends/cuda.py, holds its support rules and calls `paged_attention`)
 
 The extension is built on first use with `torch.utils.cpp_extension.load` (nvcc + ninja; without ninja, or when
 cpp_extension refuses the toolkit, nvcc and c++ are called directly) into `$HF_PAGED_CACHE_DIR/cuda/<hash of the
-sources>` (default ~/.cache/hf_paged/cuda), so later processes only load the built library. The sources are read
-from `HF_PAGED_CSRC`, else the copy a wheel carries (`hf_paged/_csrc`), else the repository's csrc/ folder. The
-decode kernel serves decode-only steps (`metadata.max_query_len == 1`).
+sources>` (default ~/.cache/hf_paged/cuda), so later processes only load the built library. Those folders are
+created 0700 and checked like the CPU kernels' (hf_paged/native.py: refused, with a warning, where another user
+could change them); the direct build's library is loaded only with its size + hash stamp, and one missing the ops
+is not used. The sources are read from `HF_PAGED_CSRC`, else the copy a wheel carries (`hf_paged/_csrc`), else
+the repository's csrc/ folder. The decode kernel serves decode-only steps (`metadata.max_query_len == 1`).
 
 Building ahead of time: `HF_PAGED_BUILD_CUDA=1 pip install --no-build-isolation .` compiles the extension into
 the installed package (`hf_paged/_prebuilt`, see setup.py); at run time `HF_PAGED_BUILD_CUDA=1` builds (or loads)
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .. import native
 from .metadata import AttentionMetadata
 
 PACKAGE = Path(__file__).resolve().parents[1]
@@ -39,6 +42,7 @@ HEADERS = ("paged_attention.h",)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CUDA_FLAGS = ["-O3", "-lineinfo"]
+OPS = ("paged_decode", "copy_blocks", "plan_decode")  # what csrc/bindings.cpp registers in torch.ops.hf_paged
 _status: dict[str, str] = {}
 
 
@@ -103,6 +107,9 @@ def _build_with_torch(name: str, build_dir: Path) -> None:
 
     if not cpp_extension.is_ninja_available():
         raise RuntimeError("ninja is not installed (pip install ninja)")
+    library = build_dir / f"{name}.so"
+    if library.exists() and not native.trusted_file(library):  # another user's: never loaded, linked again
+        library.unlink()
     home = cuda_home()  # also passed explicitly: torch's guess can be a wrapper script's folder (/usr/local)
     cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES],
                        extra_include_paths=[str(CSRC), str(home / "include")], extra_cuda_cflags=CUDA_FLAGS,
@@ -131,8 +138,8 @@ def _build_direct(name: str, build_dir: Path) -> None:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no host C++ compiler (c++ / g++)")
-    target = build_dir / f"{name}.so"
-    if not target.exists():
+    target, partial = build_dir / f"{name}.so", build_dir / f"{name}.tmp.so"
+    if not native.is_complete(target):  # a library without its size + hash stamp is built again, never loaded
         abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
         includes = [f"-I{d}" for d in (*cpp_extension.include_paths(), str(CSRC), str(home / "include"))]
         kernels, bindings = build_dir / "paged_attention.o", build_dir / "bindings.o"
@@ -141,15 +148,32 @@ def _build_direct(name: str, build_dir: Path) -> None:
             [nvcc, "-c", str(CSRC / "paged_attention.cu"), "-o", str(kernels), "-std=c++17", "--compiler-options",
              "-fPIC", *CUDA_FLAGS, *_arch_flags(), f"-I{CSRC}"],
             [cxx, "-c", str(CSRC / "bindings.cpp"), "-o", str(bindings), "-O3", "-fPIC", "-std=c++20", abi, *includes],
-            [cxx, "-shared", str(bindings), str(kernels), "-o", str(build_dir / f"{name}.tmp.so"), f"-L{torch_lib}",
+            [cxx, "-shared", str(bindings), str(kernels), "-o", str(partial), f"-L{torch_lib}",
              "-lc10", "-lc10_cuda", "-ltorch_cpu", f"-L{home / 'lib64'}", "-lcudart", f"-Wl,-rpath,{torch_lib}"],
         ]
         for command in commands:
             proc = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
             if proc.returncode:
                 raise RuntimeError(f"{' '.join(command[:3])} ... failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-        os.replace(build_dir / f"{name}.tmp.so", target)
+        os.chmod(partial, 0o600)
+        stamp = build_dir / f"{name}.tmp.sha256"
+        stamp.unlink(missing_ok=True)
+        native.write_stamp(partial, stamp)
+        os.replace(partial, target)
+        os.replace(stamp, target.with_suffix(".sha256"))  # last: the build is complete
     torch.ops.load_library(str(target))
+
+
+class _MissingOps(RuntimeError):
+    """The library loaded but does not register what the backend calls."""
+
+
+def _has_op(name: str) -> bool:
+    try:
+        getattr(torch.ops.hf_paged, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -164,9 +188,16 @@ def load_extension() -> bool:
     errors = []
     for build in (_build_with_torch, _build_direct):
         build_dir = cache_dir() / key / build.__name__.removeprefix("_build_")
-        build_dir.mkdir(parents=True, exist_ok=True)
         try:
+            native.private_folder(build_dir)  # created 0700; refused when another user could change it
             build(name, build_dir)
+            missing = [op for op in OPS if not _has_op(op)]
+            if missing:
+                raise _MissingOps(f"hf_paged: the CUDA library in {build_dir} lacks the ops {missing}: not used")
+        except (native.UnsafeCacheError, _MissingOps) as e:
+            native.logger.warning("%s", e)
+            _status["reason"] = str(e)
+            return False
         except Exception as e:  # noqa: BLE001 - a failed build makes the backend unavailable, with the compiler's words
             tail = "\n".join(str(e).splitlines()[-25:])
             errors.append(f"{build.__name__} in {build_dir}: {type(e).__name__}: {tail}")

@@ -56,6 +56,9 @@ class EngineConfig:
     swap_space: int | None = None  # bytes of host swap space; None: 4 GiB beside a GPU, none on CPU
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3" (per-layer scaled, half/quarter memory)
+    # fp8 caches: None (scales calibrated at start, model/kv_calibration.py), a float for every layer's K and V, or
+    # one (k_scale, v_scale) per layer; fixed for the engine's life (stored = value / scale, saturated)
+    kv_scales: float | list | None = None
     seed: int | None = None
     # decode-only steps as CUDA graphs, one per batch-size bucket (see cuda_graphs.py); only on CUDA devices.
     # True: each bucket is captured on first use; "at_start": all buckets when the engine starts; False: never
@@ -117,6 +120,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        if self.kv_scales is not None and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError("kv_scales applies to kv_cache_dtype='fp8_e4m3' only")
         if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "at_start"):
             raise ValueError(f"cuda_graphs must be True, False or 'at_start', got {self.cuda_graphs!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -202,17 +202,20 @@ def test_preemption_and_prefix_hits_under_a_tight_pool(padded, llama):
     assert sum(tight.runner.graphs.steps_per_bucket.values()) > 0
 
 
-def test_fp8_cache_scales_come_from_an_eager_step(padded, llama):
-    """fp8 scales are fixed by the first K/V a layer stores: with every step decode-shaped (1-token prompt chunks),
-    the first one still runs eagerly, so padding rows never set them; the tokens equal the engine without graphs."""
+def test_fp8_cache_scales_are_fixed_before_the_first_step(padded, llama):
+    """fp8 scales are calibrated when the engine starts, graphs or not: with every step decode-shaped (1-token prompt
+    chunks), the first one too takes the padded path (padding rows never set scales); the scales and the tokens equal
+    the engine without graphs."""
     batch = prompts((4, 6), seed=2)
     counts = (6, 4)
     options = dict(block_size=4, num_blocks=32, max_model_len=32, long_prefill_token_threshold=1,
                    kv_cache_dtype="fp8_e4m3")
     engine = Engine(llama, **options)
+    eager = Engine(llama, cuda_graphs=False, **options)
+    assert None not in engine.memory.cache.kv_scales and engine.memory.cache.kv_scales == eager.memory.cache.kv_scales
     got = run(engine, batch, counts)
-    assert sum(engine.runner.graphs.steps_per_bucket.values()) == engine.stats()["num_steps"] - 1
-    assert got == run(Engine(llama, cuda_graphs=False, **options), batch, counts)
+    assert sum(engine.runner.graphs.steps_per_bucket.values()) == engine.stats()["num_steps"]
+    assert got == run(eager, batch, counts)
 
 
 def test_contexts_longer_than_the_tables_run_eagerly(llama, monkeypatch):

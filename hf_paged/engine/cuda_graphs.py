@@ -52,9 +52,8 @@ Capture
     consumed within the step). A capture that fails (a forward that syncs, e.g. data-dependent MoE routing) turns
     graphs off with a warning; that step and all later ones run eagerly. transformers' own per-call Python
     (`find_packed_sequence_indices` syncs on the position ids) skips its check while a stream is capturing, and the
-    "paged" mask function returns None whatever it is given. An fp8 cache's per-layer scales are Python floats fixed
-    by the first K/V each layer stores (a host sync): decode steps take this path only once they are all set, so the
-    first step (eager) sets them from real tokens and graphs bake in their final values.
+    "paged" mask function returns None whatever it is given. An fp8 cache's per-layer scales are Python floats the
+    engine fixes when it starts (model/kv_calibration.py), before any capture: graphs bake in their final values.
 
 `capture=False` runs the very same padded static-buffer path with the replay replaced by a plain call of the same
 forward: that is how the tests exercise all of the above on CPU.
@@ -202,8 +201,8 @@ class DecodeGraphRunner:
         return self.probe() is None
 
     def _scales_fixed(self) -> bool:
-        """fp8 caches take each layer's scales from the first K/V it stores, on the host: that must be a real step run
-        eagerly, never padding rows, and a graph must bake in the final values."""
+        """Whether an fp8 cache's scales are set (the engine fixes them at start, before any capture): a graph bakes
+        in their values."""
         return None not in self.runner.kv_cache.kv_scales
 
     def probe(self) -> str | None:
@@ -257,7 +256,7 @@ class DecodeGraphRunner:
     def capture_all(self) -> None:
         """Capture every bucket now, largest first (smaller graphs then reuse the shared pool), on padding rows only."""
         if not self.settings.capture or self.probe() is not None or not self._scales_fixed():
-            return  # (an fp8 cache: its buckets are captured on first use, after the first step fixed its scales)
+            return  # (an fp8 cache whose scales are not set yet: the engine captures again once it has set them)
         for size in reversed(self.buckets):
             if size not in self.captured:
                 self._stage([], size)

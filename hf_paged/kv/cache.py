@@ -1,7 +1,10 @@
 """The KV tensors: per layer, K and V shaped [num_blocks, block_size, num_kv_heads, head_dim]."""
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -35,20 +38,46 @@ class KVCache:
         self.storage = torch.empty(shape, dtype=spec.dtype, device=spec.device)
         self.key_caches = [self.storage[i, 0] for i in range(spec.num_layers)]
         self.value_caches = [self.storage[i, 1] for i in range(spec.num_layers)]
-        # fp8 caches: per-layer (k_scale, v_scale), fixed from each layer's first K/V (see `scales_for`)
+        # fp8 caches: per-layer (k_scale, v_scale), fixed once by `set_scales` before the first K/V is stored (the
+        # engine calibrates them at start, model/kv_calibration.py); unquantized caches: always (1.0, 1.0)
         self.quantized = self.storage.element_size() == 1
         self.kv_scales: list[tuple[float, float] | None] = [None if self.quantized else (1.0, 1.0)] * spec.num_layers
+        self._fingerprint: tuple[tuple, str] | None = None
         logger.info("hf_paged KV cache: %d blocks x %d tokens, %.1f MiB on %s", num_blocks, block_size,
                     self.storage.numel() * self.storage.element_size() / 2**20, spec.device)
 
+    def set_scales(self, scales: list[tuple[float, float]]) -> None:
+        """Fix an fp8 cache's per-layer (k_scale, v_scale): stored = value / scale, saturated to the fp8 range.
+        K/V already stored were quantized with the old scales: whoever changes them after serving started must
+        drop those (their prefix-cache keys hold `scales_fingerprint()`) and any CUDA graph that baked them in."""
+        if not self.quantized:
+            raise ValueError(f"a {self.spec.dtype} KV cache is not scaled")
+        pairs = [tuple(float(s) for s in pair) for pair in scales]
+        if len(pairs) != self.spec.num_layers or any(len(p) != 2 for p in pairs):
+            raise ValueError(f"need one (k_scale, v_scale) pair per layer ({self.spec.num_layers}), got {scales!r}")
+        if not all(math.isfinite(s) and s > 0 for p in pairs for s in p):
+            raise ValueError(f"fp8 KV scales must be finite and positive, got {pairs!r}")
+        self.kv_scales = pairs
+
     def scales_for(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[float, float]:
-        """A layer's fp8 scales: its first K/V's absolute maximum mapped to half the fp8 range (2x headroom;
-        values beyond it saturate). Always (1.0, 1.0) for unquantized caches."""
+        """A layer's (k_scale, v_scale) for storing and reading `key` / `value` (what it stores does not change
+        them; the calibration forward overrides this to see every layer's K/V). (1.0, 1.0) for unquantized caches."""
         scales = self.kv_scales[layer]
         if scales is None:
-            scales = tuple(max(float(t.abs().max()) / 224.0, 1e-6) for t in (key, value))
-            self.kv_scales[layer] = scales
+            raise RuntimeError("this fp8 KV cache has no scales yet: KVCache.set_scales must fix them before the "
+                               "first K/V is stored")
         return scales
+
+    def scales_fingerprint(self) -> str:
+        """A short digest of every layer's scales, part of what produced the cached K/V (for prefix-cache keys): the
+        same scales give the same string in every process, any change gives another. "" for unquantized caches."""
+        if not self.quantized:
+            return ""
+        current = tuple(self.kv_scales)
+        if self._fingerprint is None or self._fingerprint[0] != current:
+            data = b"".join(struct.pack("<dd", *pair) if pair is not None else b"unset" for pair in current)
+            self._fingerprint = (current, hashlib.sha256(data).hexdigest()[:16])
+        return self._fingerprint[1]
 
     @property
     def num_bytes(self) -> int:

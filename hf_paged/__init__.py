@@ -8,11 +8,12 @@ from .engine import Engine
 from .integrations.paged_cache import PagedCache
 from .integrations.patch import disable, enable, is_enabled
 from .llm import LLM
+from .model.switches import HfPagedDisabled
 from .request import CompletionOutput, RequestOutput
 from .sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "enable", "disable", "is_enabled", "PagedCache"]
+           "enable", "disable", "is_enabled", "HfPagedDisabled", "PagedCache"]
 
 enable()

@@ -34,6 +34,7 @@ class LLM:
         device = next(model.parameters()).device
         self.world, options = plan_processes(model, options, device, data_parallel)
         self.engine = Engine(model, tokenizer, **options)
+        self._claimed: set[str] = set()  # ids of requests a generate / stream / astream call owns (not `step`'s)
         self._driver: _AsyncDriver | None = None  # steps the engine for `astream` consumers (one event loop)
 
     # streaming-style access -----------------------------------------------------------------------
@@ -50,23 +51,61 @@ class LLM:
                                   prompt_text=prompt_text(prompt)).request_id
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; an output for every sample that received a token or finished (with `n` > 1, one per
-        sample: `outputs[0].index` says which). A prompt whose samples have all finished is forgotten."""
-        outputs = []
-        for request in self.engine.step():
-            outputs.append(self.engine.output(request.group, [request]))
-            if request.group.is_finished:
-                self.engine.release(request.group)
-        return outputs
+        """One engine step; an output for every sample of a request queued by `add_request` that received a token or
+        finished since the last `step` (with `n` > 1, one per sample: `outputs[0].index` says which), whoever ran the
+        steps (a `generate` or `stream` in another thread drives them too). Requests of `generate` / `stream` /
+        `astream` calls go to those calls, never here. A prompt whose samples have all finished is forgotten once
+        reported; an output not reported because of an error (e.g. Ctrl-C while decoding its text) comes next time."""
+        self._advance()
+        return self._collect(self._unclaimed, _per_sample)
+
+    def _unclaimed(self, request_id: str) -> bool:
+        return request_id not in self._claimed
+
+    def _advance(self) -> None:
+        """One engine step if the engine has work."""
+        with self.engine.lock:
+            if self.engine.has_unfinished:
+                self.engine.step()
+
+    def _collect(self, owned, build) -> list[RequestOutput]:
+        """Outputs of the requests `owned(request_id)` accepts that changed since they were last collected: `build`
+        (group, sample indices) gives each one's outputs. Nothing is taken until all are built (an error while
+        decoding leaves every mark for the next call); finished groups are then forgotten."""
+        engine = self.engine
+        with engine.lock:
+            taken = [(rid, samples) for rid, samples in engine.dirty.items() if owned(rid)]
+            if not taken:
+                return []
+            outs, done = [], []
+            for request_id, samples in taken:
+                group = engine.groups.get(request_id)
+                if group is not None:
+                    outs.extend(build(engine, group, samples))
+                    if group.is_finished:
+                        done.append(group)
+            ids = {request_id for request_id, _ in taken}
+            engine.dirty = {rid: samples for rid, samples in engine.dirty.items() if rid not in ids}
+            for group in done:
+                engine.release(group)
+            return outs
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.engine.has_unfinished
+        """Whether the engine has work, or `step` has outputs still to report."""
+        engine = self.engine
+        return engine.has_unfinished or any(self._unclaimed(rid) for rid in engine.dirty)
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: later requests compute their K/V anew. The engine notices by itself when the
+        model's parameters, buffers or PEFT adapters change (see `hf_paged.model.fingerprint`); call this after
+        changes it cannot see (writes through `.data`, patched code)."""
+        self.engine.reset_prefix_cache()
 
     # streaming ------------------------------------------------------------------------------------
     def stream(self, prompts: str | Sequence, sampling_params: SamplingParams | dict | Sequence | None = None,
@@ -75,18 +114,44 @@ class LLM:
         `outputs[i].token_ids` and `text` (the text so far), `finished` on a prompt's last snapshot. Validation as in
         `generate` (a bad prompt raises before anything is queued, at the first `next`). Closing the iterator, or
         an exception, aborts this call's unfinished requests and frees their blocks at once. Not data parallel."""
-        groups, _ = self._queue(prompts, sampling_params, priority)
-        unfinished = {group.request_id for group in groups}
+        groups, unfinished = self._queue_claimed(prompts, sampling_params, priority)
         try:
             while unfinished:
-                for out in self._step_snapshots(unfinished.__contains__):
+                outs = self._collect(unfinished.__contains__, _snapshot)
+                for out in outs:
                     if out.finished:
                         unfinished.discard(out.request_id)
                     yield out
                 unfinished.intersection_update(self.engine.groups)  # aborted meanwhile (`abort`): nothing to wait for
+                if unfinished and not outs:
+                    self._advance_for(unfinished)
         finally:
             for request_id in unfinished:
                 self.engine.abort(request_id)
+            self._claimed.difference_update(group.request_id for group in groups)
+
+    def _queue_claimed(self, prompts, sampling_params, priority) -> tuple[list[RequestGroup], set[str]]:
+        """Queue a call's prompts and claim them at once (no `step` caller in another thread sees them unclaimed)."""
+        with self.engine.lock:
+            groups, _ = self._queue(prompts, sampling_params, priority)
+            return groups, self._claim(groups)
+
+    def _claim(self, groups: list[RequestGroup]) -> set[str]:
+        """Mark a call's requests as its own (no `step` caller gets them). Returns their ids."""
+        ids = {group.request_id for group in groups}
+        self._claimed.update(ids)
+        return set(ids)
+
+    def _advance_for(self, waiting: set[str]) -> None:
+        """Step once for a call still waiting for `waiting`; with no work left in the engine their results must
+        already be marked (another caller stepped), else something is broken: say so instead of spinning."""
+        with self.engine.lock:
+            if self.engine.has_unfinished:
+                self.engine.step()
+            elif not any(rid in self.engine.dirty for rid in waiting) and \
+                    any(not self.engine.groups[rid].is_finished for rid in waiting if rid in self.engine.groups):
+                raise RuntimeError(f"hf_paged: requests {sorted(waiting)[:5]} are unfinished but the engine has no "
+                                   f"work for them")
 
     async def astream(self, prompts: str | Sequence,
                       sampling_params: SamplingParams | dict | Sequence | None = None,
@@ -94,12 +159,11 @@ class LLM:
         """`stream` for asyncio servers: `async for out in llm.astream(prompts, params)`. Engine steps run in a worker
         thread, driven by one task per LLM that serves every concurrent `astream` of the event loop, each getting
         only its own prompts' snapshots. Closing or cancelling the iterator aborts its unfinished requests and frees
-        their blocks at once (after the step in flight, if any). While it streams, nothing else may step this LLM
-        (`generate`, `stream`, `step` from another thread); `add_request` / `abort` may be called."""
-        groups, _ = self._queue(prompts, sampling_params, priority)
+        their blocks at once (after the step in flight, if any). Other callers (`generate`, `stream`, `step`, other
+        threads) may use the LLM meanwhile: each gets only its own requests' results."""
+        groups, unfinished = self._queue_claimed(prompts, sampling_params, priority)
         driver = self._async_driver()
         queue: asyncio.Queue = asyncio.Queue()
-        unfinished = {group.request_id for group in groups}
         for request_id in unfinished:
             driver.queues[request_id] = queue
         driver.start(self)
@@ -119,6 +183,7 @@ class LLM:
                 driver.queues.pop(group.request_id, None)
             for request_id in unfinished:
                 self.engine.abort(request_id)
+            self._claimed.difference_update(group.request_id for group in groups)
 
     def _async_driver(self) -> "_AsyncDriver":
         loop = asyncio.get_running_loop()
@@ -129,16 +194,10 @@ class LLM:
         return self._driver
 
     def _step_snapshots(self, owned) -> list[RequestOutput]:
-        """One engine step; a snapshot of every prompt that changed and `owned(request_id)` says is the caller's
-        (finished ones are released). Other prompts' tokens stay in the engine for their own consumers."""
-        with self.engine.lock:
-            stepped = self.engine.step()
-            groups = list({id(r.group): r.group for r in stepped if owned(r.group.request_id)}.values())
-            outs = [self.engine.output(group, partial=True) for group in groups]
-            for group in groups:
-                if group.is_finished:
-                    self.engine.release(group)
-        return outs
+        """One engine step (if there is work), then a snapshot of every prompt `owned(request_id)` says is the
+        caller's that changed since it was last collected (finished ones are forgotten)."""
+        self._advance()
+        return self._collect(owned, _snapshot)
 
     # offline batch ---------------------------------------------------------------------------------
     def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | dict | Sequence | None = None,
@@ -148,16 +207,18 @@ class LLM:
         is queued. `sampling_params`: None, one SamplingParams (or dict of its fields) for all, or one per prompt.
         In a multi-process run this process runs its share and the outputs of all are gathered (see the class)."""
         world = self.world
-        groups, count = self._queue(prompts, sampling_params, priority, world)
+        with self.engine.lock:  # queued and claimed at once: no `step` caller in another thread sees them unclaimed
+            groups, count = self._queue(prompts, sampling_params, priority, world)
+            self._claim(groups)
         try:
-            self._run(groups, use_tqdm and world.rank == 0)
+            finished = self._run(groups, use_tqdm and world.rank == 0)
         except BaseException:
             for group in groups:  # an exception (or Ctrl-C) leaves none of this call's requests behind
                 self.engine.abort(group.request_id)
             raise
-        mine = [(group.index, self.engine.output(group)) for group in groups]
-        for group in groups:
-            self.engine.release(group)
+        finally:
+            self._claimed.difference_update(group.request_id for group in groups)
+        mine = [(group.index, finished[group.request_id]) for group in groups]
         return gather_in_order(world, mine, count) if world.is_parallel else [out for _, out in mine]
 
     def _queue(self, prompts, sampling_params, priority, world: World | None = None) -> tuple[list[RequestGroup], int]:
@@ -187,31 +248,53 @@ class LLM:
             raise
         return groups, len(prompts)
 
-    def _run(self, groups: list[RequestGroup], use_tqdm: bool) -> None:
+    def _run(self, groups: list[RequestGroup], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until every one of `groups` has finished (other callers' requests progress too, and go to them).
+        Returns each group's final output by request id."""
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(groups), desc="Processed prompts", unit="req", dynamic_ncols=True)
-        counted: set[int] = set()
+        pending = {group.request_id for group in groups}
+        finished: dict[str, RequestOutput] = {}
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
-        while self.engine.has_unfinished:
-            stepped = self.engine.step()
-            if bar is None:
-                continue
-            for request in stepped:
-                group = request.group
-                if id(group) not in counted and group.is_finished:
-                    counted.add(id(group))
-                    prompt_tokens += len(group.prompt_token_ids)
-                    output_tokens += sum(r.num_output_tokens for r in group.samples)
+        while pending:
+            outs = self._collect(pending.__contains__, _final)
+            for out in outs:
+                pending.discard(out.request_id)
+                finished[out.request_id] = out
+                if bar is not None:
+                    prompt_tokens += len(out.prompt_token_ids)
+                    output_tokens += sum(len(c.token_ids) for c in out.outputs)
                     elapsed = max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(f"est. input {prompt_tokens / elapsed:.0f} tok/s, "
                                         f"output {output_tokens / elapsed:.0f} tok/s", refresh=False)
                     bar.update(1)
+            missing = pending.difference(self.engine.groups)
+            if missing:  # aborted by another caller: nothing will come
+                raise RuntimeError(f"requests {sorted(missing)[:5]} of this generate call were aborted meanwhile")
+            if pending and not outs:
+                self._advance_for(pending)
         if bar is not None:
             bar.close()
+        return finished
+
+
+def _per_sample(engine: Engine, group: RequestGroup, samples: frozenset[int]) -> list[RequestOutput]:
+    """`step`'s outputs: one per changed sample."""
+    return [engine.output(group, [group.samples[i]]) for i in sorted(samples)]
+
+
+def _snapshot(engine: Engine, group: RequestGroup, samples: frozenset[int]) -> list[RequestOutput]:
+    """`stream`'s outputs: one snapshot of the whole prompt (text so far)."""
+    return [engine.output(group, partial=True)]
+
+
+def _final(engine: Engine, group: RequestGroup, samples: frozenset[int]) -> list[RequestOutput]:
+    """`generate`'s outputs: the prompt's output once all its samples have finished."""
+    return [engine.output(group)] if group.is_finished else []
 
 
 @dataclass(slots=True, eq=False)
@@ -234,7 +317,8 @@ class _AsyncDriver:
     async def _drive(self, llm: LLM) -> None:
         while True:
             self._tell_gone(llm)
-            if not (self.queues and llm.engine.has_unfinished):
+            engine = llm.engine
+            if not (self.queues and (engine.has_unfinished or any(rid in self.queues for rid in engine.dirty))):
                 return
             try:
                 outs = await self.loop.run_in_executor(None, llm._step_snapshots, self.queues.__contains__)

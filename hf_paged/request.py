@@ -94,7 +94,8 @@ class Request:
         if self.token_types is not None:
             extra.append("types" + hashlib.blake2b(repr(self.token_types).encode(), digest_size=16).hexdigest())
         if extra:
-            self.kv_salt = "\x00".join([self.params.cache_salt or "", *extra])
+            salt = self.params.cache_salt
+            self.kv_salt = "\x00".join(["-" if salt is None else "+" + salt, *extra])
 
     def __repr__(self) -> str:
         return (f"Request({self.group.request_id!r}, sample={self.sample_index}, status={self.status.value}, "
@@ -167,6 +168,28 @@ class Request:
         self.finish_reason = reason
         self.error = error
 
+    def snapshot(self) -> tuple:
+        """Everything a step may change in this request (see `restore`)."""
+        return (self.status, self.num_computed_tokens, list(self.block_table), len(self.output_token_ids),
+                self.finish_reason, self.error, self.stop_reason, None if self.logprobs is None else len(self.logprobs),
+                None if self.generator is None else self.generator.get_state(), self.num_preemptions,
+                self.first_token_time, self.finished_time, self.num_cached_tokens, len(self.block_hashes),
+                self.num_published_blocks, list(self.swapped_blocks), list(self.forks))
+
+    def restore(self, saved: tuple) -> None:
+        """Put back what `snapshot` saw (a failed step is undone; outputs only ever grow within one)."""
+        (self.status, self.num_computed_tokens, self.block_table, num_outputs, self.finish_reason, self.error,
+         self.stop_reason, num_logprobs, generator_state, self.num_preemptions, self.first_token_time,
+         self.finished_time, self.num_cached_tokens, num_hashes, self.num_published_blocks, self.swapped_blocks,
+         self.forks) = saved
+        del self.output_token_ids[num_outputs:]
+        del self.all_token_ids[len(self.prompt_token_ids) + num_outputs:]
+        if num_logprobs is not None:
+            del self.logprobs[num_logprobs:]
+        if generator_state is not None:
+            self.generator.set_state(generator_state)
+        del self.block_hashes[num_hashes:]
+
     def banned_token_ids(self) -> list[int]:
         """Tokens that may not be sampled now: stop tokens and EOS until `min_tokens` outputs exist."""
         if self.num_output_tokens >= self.params.min_tokens:
@@ -180,7 +203,9 @@ def apply_stop_rules(request: Request, token: int, stop_now: bool, max_model_len
     """Append a sampled token and finish the request if a stop rule fires. The one place stop rules live.
 
     Order: the sampling hook's own stop, stop token ids and EOS (from `min_tokens` on; EOS is the hook's business
-    when there is one), then length limits, then stop strings (decoded incrementally, see `find_stop_string`).
+    when there is one), stop strings (from `min_tokens` on: one that the newest token completes; see
+    `find_stop_string`), then length limits (a stop string completed by the last allowed token is a "stop"). A
+    tokenizer failing to decode for the stop-string check ends the request with finish_reason "error".
     """
     request.append_token(token)
     params = request.params
@@ -192,33 +217,63 @@ def apply_stop_rules(request: Request, token: int, stop_now: bool, max_model_len
         request.stop_reason = token
     elif past_min and not params.ignore_eos and token in request.eos_token_ids and request.controller is None:
         request.finish("stop")
+    elif params.stop and past_min and detokenize is not None and _stop_string(request, detokenize):
+        pass
     elif request.num_output_tokens >= params.max_tokens:
         request.finish("length")
     elif max_model_len is not None and request.num_tokens >= max_model_len:
         request.finish("length")
-    elif params.stop and past_min and detokenize is not None:
-        hit = find_stop_string(request.output_token_ids, params.stop, detokenize)
-        if hit is not None:
-            request.finish("stop")
-            request.stop_reason = hit
+
+
+def _stop_string(request: Request, detokenize: Callable[[list[int]], str]) -> bool:
+    """Finish the request if its newest token completes a stop string; whether it did."""
+    try:
+        hit = find_stop_string(request.output_token_ids, request.params.stop, detokenize)
+    except Exception as e:  # noqa: BLE001 - the tokenizer failing on stop strings ends only this request
+        request.finish("error", f"checking stop strings failed: {type(e).__name__}: {e}")
+        return True
+    if hit is None:
+        return False
+    request.finish("stop")
+    request.stop_reason = hit
+    return True
 
 
 def find_stop_string(token_ids: list[int], stops: list[str], detokenize: Callable[[list[int]], str]) -> str | None:
-    """The stop string the decoded output now contains, decoding only its tail.
+    """The first of `stops` that the newest token completes: an occurrence that ends inside the newest token's text
+    (one that ended earlier, e.g. before `min_tokens`, does not count), decoding only the output's tail.
 
-    A stop string not found at the previous step must end inside the newest token's text, so it lies within the
-    last `len(newest text) + longest stop` characters. The tail starts a few tokens further back (its first token
-    may decode differently alone, e.g. a dropped leading space) and doubles until it covers that span, or the whole
-    output: the work per step is bounded by the stop strings' length, not by the output's.
+    The tail starts a few tokens further back (its first token may decode differently alone, e.g. a dropped leading
+    space) and doubles until the text before the newest token is longer than the longest stop string, or the tail is
+    the whole output: the work per step is bounded by the stop strings' length, not by the output's.
     """
     longest = max(len(s) for s in stops)
-    newest = len(detokenize(token_ids[-1:]))
     count = longest + 4
     while True:
-        text = detokenize(token_ids[-count:])
-        if count >= len(token_ids) or len(text) >= newest + longest + 8:
-            return next((s for s in stops if s in text), None)
+        tail = token_ids[-count:]
+        text, before = detokenize(tail), detokenize(tail[:-1])
+        if count >= len(token_ids) or len(before) >= longest + 8:
+            break
         count *= 2
+    new_from = _common_prefix(text, before)
+    return next((s for s in stops if text.find(s, max(0, new_from - len(s) + 1)) >= 0), None)
+
+
+def stop_string_start(token_ids: list[int], stop: str, detokenize: Callable[[list[int]], str]) -> int | None:
+    """Where in the decoded output the stop string that the last token completed begins (None: not found)."""
+    text, before = detokenize(token_ids), detokenize(token_ids[:-1])
+    found = text.find(stop, max(0, _common_prefix(text, before) - len(stop) + 1))
+    return found if found >= 0 else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
 
 
 @dataclass(slots=True)

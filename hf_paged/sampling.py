@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,10 @@ class SamplingParams:
             self.stop_token_ids = [self.stop_token_ids]
         elif self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def copy(self) -> "SamplingParams":
+        """An independent copy (its lists are new lists)."""
+        return dataclasses.replace(self)
 
     @property
     def greedy(self) -> bool:

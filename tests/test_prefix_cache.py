@@ -77,6 +77,17 @@ def test_different_salts_never_share(llama):
     assert llm.generate([SYSTEM + [93]], salted, use_tqdm=False)[0].num_cached_tokens == 48
 
 
+def test_the_empty_salt_is_a_salt(llama):
+    """cache_salt="" shares blocks only with "" (it used to hash like no salt and share with unsalted requests)."""
+    llm = LLM(llama, block_size=8)
+    empty = SamplingParams(max_tokens=3, temperature=0.0, cache_salt="")
+    plain = SamplingParams(max_tokens=3, temperature=0.0)
+    llm.generate([SYSTEM + [90]], plain, use_tqdm=False)
+    assert llm.generate([SYSTEM + [91]], empty, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate([SYSTEM + [92]], empty, use_tqdm=False)[0].num_cached_tokens == 48
+    assert llm.generate([SYSTEM + [93]], plain, use_tqdm=False)[0].num_cached_tokens == 48
+
+
 def test_colliding_hash_still_gives_correct_output(llama, monkeypatch):
     """Every block key equal: hits must still be proven by tokens and by the exact parent block."""
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -72,3 +72,40 @@ def test_find_stop_string_on_token_pieces(pieces, stops, expected):
         return "".join(pieces[i] for i in ids)
 
     assert find_stop_string(list(range(len(pieces))), stops, detokenize) == expected
+
+
+def test_a_stop_string_only_before_min_tokens_does_not_stop(llama):
+    """A stop string whose only occurrence ends before `min_tokens` never ends the request (it used to end it at
+    exactly `min_tokens`, with the text cut at that early occurrence: empty)."""
+    tokenizer = LetterTokenizer()
+    tokens, text = free_text(llama, tokenizer, 40)
+    at = next(p for p in range(1, 20) if " " not in text[p:p + 3] and text.count(text[p:p + 3]) == 1)
+    params = SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0, ignore_eos=True, stop=[text[at:at + 3]])
+    out = LLM(llama, tokenizer=tokenizer).generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert out.finish_reason == "length"
+    assert out.token_ids == tokens and out.text == text
+
+
+def test_a_stop_string_completed_before_and_after_min_tokens_cuts_at_the_later(llama):
+    tokenizer = LetterTokenizer()
+    tokens, text = free_text(llama, tokenizer, 60)
+    found = [(p, text.find(text[p:p + 3], p + 3)) for p in range(0, 12)
+             if " " not in text[p:p + 3] and text.index(text[p:p + 3]) == p]
+    early, late = next((p, q) for p, q in found if q > 20)
+    params = SamplingParams(max_tokens=60, min_tokens=early + 4, temperature=0.0, ignore_eos=True,
+                            stop=[text[early:early + 3]])
+    out = LLM(llama, tokenizer=tokenizer).generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == tokens[:late + 3] and out.text == text[:late]
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(llama):
+    """The max_tokens-th token completing a stop string: finish "stop" and the text cut before it (it used to
+    finish "length" with the stop string kept in the text)."""
+    tokenizer = LetterTokenizer()
+    tokens, text = free_text(llama, tokenizer, 40)
+    at = next(p for p in range(12, 36) if " " not in text[p:p + 3] and text.index(text[p:p + 3]) == p)
+    params = SamplingParams(max_tokens=at + 3, temperature=0.0, ignore_eos=True, stop=[text[at:at + 3]])
+    out = LLM(llama, tokenizer=tokenizer).generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == tokens[:at + 3] and out.text == text[:at]

@@ -11,6 +11,8 @@ from ..attention.dispatch import unavailable
 from ..config import EngineConfig
 from ..kv import KVCacheManager
 from ..model import check_paged_matches_model, describe_model
+from ..model.fingerprint import weights_fingerprint
+from ..model.kv_calibration import fp8_kv_scales
 from ..request import Request, RequestGroup, RequestOutput
 from ..sampling import Sampler, SamplingParams
 from .cuda_graphs import DecodeGraphSettings
@@ -67,6 +69,10 @@ class Engine:
         self.runner = ModelRunner(model, self.spec, self.memory.cache, self.config.attention_backend, graphs)
         # refuse a model we would serve wrong; one window on every layer: blocks behind it go back to the pool
         self.scheduler.release_window = check_paged_matches_model(model, self.spec, self.runner.backends)
+        if self.memory.cache.quantized:  # fixed before any request stores K/V; graphs bake them in, so capture after
+            self.memory.cache.set_scales(fp8_kv_scales(model, self.spec, self.config.kv_scales, self.max_model_len))
+            if self.runner.graphs is not None and self.runner.graphs.settings.capture_at_start:
+                self.runner.graphs.capture_all()
         self.sampler = Sampler(device, self.config.seed)
         self.limits = Limits(self.spec.vocab_size, self.max_model_len, self.memory.num_blocks, self.config)
         eos = _as_id_list(getattr(model.generation_config, "eos_token_id", None)) + _as_id_list(
@@ -74,6 +80,9 @@ class Engine:
         # an EOS id the model can never produce can never stop a request (nor be banned under min_tokens)
         self.eos_token_ids = tuple(sorted({t for t in eos if 0 <= t < self.spec.vocab_size}))
         self.groups: dict[str, RequestGroup] = {}  # unfinished (or not yet collected) prompts by request id
+        # request id -> indices of its samples that received a token or finished since their consumer last collected
+        # (`LLM` routes them to whichever call owns the request, whoever stepped); replaced whole, never edited
+        self.dirty: dict[str, frozenset[int]] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._typed: bool | None = None  # whether this engine's requests carry token types (set by the first)
@@ -113,7 +122,8 @@ class Engine:
         last prompt token, and outputs continue at its position + 1 (how HF generates after right padding).
         `token_types` (one per prompt token, the one of every output): passed to the model as `token_type_ids`; every
         request of an engine has them or none does."""
-        params = params or SamplingParams()
+        # the engine's own copy: a caller changing its object later changes no queued request
+        params = SamplingParams() if params is None else params.copy()
         token_ids = self.tokenize(prompt, index)
         self.check_request(index, token_ids, params)
         if first_query is not None:
@@ -153,6 +163,7 @@ class Engine:
             group = self.groups.pop(str(request_id), None)
             if group is None:
                 return False
+            self.dirty.pop(group.request_id, None)
             for request in group.samples:
                 self.scheduler.abort(request)
             return True
@@ -163,16 +174,49 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one forward pass. Returns the requests that received a token or finished this step."""
+        """Run one forward pass. Returns the requests that received a token or finished this step.
+
+        All or nothing: if any of the four calls raises (Exception or BaseException, e.g. KeyboardInterrupt), every
+        request, block table, the block pool, the swap space and the random state are put back as they were before
+        it, and the error propagates; stepping on gives the tokens an undisturbed run gives."""
         with self.lock:
-            plan = self.scheduler.schedule()
-            if not plan.requests:
-                if self.scheduler.has_work:
-                    raise RuntimeError("scheduler made no progress although requests are waiting")
-                return []
-            self.memory.apply(plan)
-            outcome = self.runner.run(plan, self.sampler)
-            return self.scheduler.update(plan, outcome)
+            scheduler = self.scheduler
+            if self.config.enable_prefix_caching and scheduler.waiting:  # cached K/V is found only by what made it
+                scheduler.set_context(self.kv_context())
+            rng = self.sampler.generator.get_state()
+            scheduler.begin()
+            try:
+                plan = scheduler.schedule()
+                if not plan.requests:
+                    if scheduler.has_work:
+                        raise RuntimeError("scheduler made no progress although requests are waiting")
+                    changed = []
+                else:
+                    self.memory.apply(plan)
+                    outcome = self.runner.run(plan, self.sampler)
+                    changed = scheduler.update(plan, outcome)
+                if changed:
+                    dirty = dict(self.dirty)
+                    for request in changed:
+                        request_id = request.group.request_id
+                        dirty[request_id] = dirty.get(request_id, frozenset()) | {request.sample_index}
+                    self.dirty = dirty  # before the commit: a failure between them leaves a mark, never loses one
+                scheduler.commit()
+            except BaseException:
+                scheduler.rollback()
+                self.sampler.generator.set_state(rng)
+                raise
+            return changed
+
+    def kv_context(self) -> tuple:
+        """Everything besides tokens, positions and salt that decides the K/V this engine computes: the weights and
+        adapters (`weights_fingerprint`) and the fp8 scales."""
+        return weights_fingerprint(self.model), self.memory.cache.scales_fingerprint()
+
+    def reset_prefix_cache(self) -> None:
+        """Never reuse any K/V computed so far (after changes `kv_context` cannot see, e.g. writes through `.data`)."""
+        with self.lock:
+            self.scheduler.set_context(object())
 
     # ---- output --------------------------------------------------------------------------------
     def detokenize(self, token_ids: list[int]) -> str:
@@ -185,6 +229,7 @@ class Engine:
         """Forget a finished group (its memory is already free)."""
         if self.groups.get(group.request_id) is group:
             del self.groups[group.request_id]
+            self.dirty.pop(group.request_id, None)
 
     def stats(self) -> dict:
         kv, scheduler = self.scheduler.kv, self.scheduler

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..request import CompletionOutput, Request, RequestGroup, RequestOutput
+from ..request import CompletionOutput, Request, RequestGroup, RequestOutput, stop_string_start
 
 
 def completion(request: Request, detokenize: Callable[[list[int]], str] | None,
@@ -13,14 +13,16 @@ def completion(request: Request, detokenize: Callable[[list[int]], str] | None,
     (finish_reason "error", the tokens kept, no text)."""
     text, reason, error = None, request.finish_reason, request.error
     if (request.is_finished or partial) and detokenize is not None:
+        stop = request.stop_reason
         try:
             text = detokenize(request.output_token_ids)
+            if isinstance(stop, str):  # the occurrence the last token completed (an earlier one may exist)
+                cut = stop_string_start(request.output_token_ids, stop, detokenize)
+                text = text if cut is None else text[:cut]
         except Exception as e:  # noqa: BLE001 - the tokenizer failing ends only this output (its tokens are kept)
+            text = None
             if reason != "error":
                 reason, error = "error", f"decoding the output failed: {type(e).__name__}: {e}"
-        stop = request.stop_reason
-        if text is not None and isinstance(stop, str) and stop in text:
-            text = text[: text.index(stop)]
     return CompletionOutput(request.sample_index, list(request.output_token_ids), text, reason,
                             request.logprobs, error)
 

@@ -9,7 +9,8 @@ import time
 
 from ..attention import AttentionMetadata, choose_backends
 from ..kv import NULL_BLOCK, KVCache
-from ..model import ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock, paged_attention_active
+from ..model import (ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock, paged_attention_active,
+                     require_enabled)
 from ..sampling import Sampler
 from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
 from .plan import StepOutcome, StepPlan
@@ -106,6 +107,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs | PaddedDecode) -> torch.Tensor:
         """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows)."""
+        require_enabled()  # after hf_paged.disable(), also for replayed graphs: HfPagedDisabled, naming enable()
         if isinstance(inputs, PaddedDecode):
             return self.graphs.run(inputs)
         return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows,

@@ -49,6 +49,8 @@ class Scheduler:
         # the sliding window every layer of the model applies (None: not one for all): a running request's blocks
         # wholly behind it go back to the pool before each step
         self.release_window: int | None = None
+        self._saved: tuple | None = None  # while a step runs: the queues, counters and rate as they were (`begin`)
+        self._touched: dict[int, tuple[Request, tuple]] | None = None  # requests changed this step, as they were
 
     @property
     def has_work(self) -> bool:
@@ -64,6 +66,75 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
+    def set_context(self, context: object) -> None:
+        """What produces K/V from now on (see `KVCacheManager.set_context`); when it changed, queued requests that
+        hold no memory forget their block keys (computed under the old context)."""
+        if self.kv.set_context(context):
+            for request in self.waiting:
+                if not request.block_table and request.status is not RequestStatus.SWAPPED:
+                    request.block_hashes = []
+                    request.num_published_blocks = 0
+
+    # ---- all or nothing -----------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start a step. Until `commit`, `rollback` puts back every request the step changed, the queues, the counters,
+        the KV manager (block pool included) and the swap space exactly as they are now."""
+        self._saved = (list(self.waiting), list(self.running), dict(self.counters), self.costs.prefill_tokens_per_s)
+        self._touched = {}
+        self.kv.begin()
+        if self.swap is not None:
+            self.swap.begin()
+
+    def commit(self) -> None:
+        """The step succeeded: keep all it changed."""
+        self._saved = self._touched = None
+        self.kv.commit()
+        if self.swap is not None:
+            self.swap.commit()
+
+    def rollback(self) -> None:
+        """The step failed somewhere (Exception or BaseException, in any of its four calls): undo it. Blocks handed
+        out during the step may have been written (cleared, copied into, swapped into, by the forward pass), so a
+        request that held one before the step and holds it again now (it was freed and handed out again in the step)
+        is recomputed from its tokens; its results are unchanged."""
+        if self._saved is None:
+            return
+        waiting, running, counters, rate = self._saved
+        touched = self._touched
+        self._saved = self._touched = None
+        self.waiting.clear()
+        self.waiting.extend(waiting)
+        self.running[:] = running
+        self.counters.clear()
+        self.counters.update(counters)
+        self.costs.prefill_tokens_per_s = rate
+        for request, saved in touched.values():
+            request.restore(saved)
+        if self.swap is not None:
+            self.swap.rollback()
+        written = self.kv.rollback()
+        for request in list(self.running):
+            if any(block in written for block in request.block_table):
+                self._recompute(request)
+            else:  # the forward pass may have written past its computed tokens: that block is cleared when reused
+                self.kv.distrust_tail(request)
+
+    def _touch(self, request: Request) -> None:
+        """Called before a step changes `request` (see `rollback`)."""
+        if self._touched is not None and id(request) not in self._touched:
+            self._touched[id(request)] = (request, request.snapshot())
+
+    def _recompute(self, request: Request) -> None:
+        """Preempt a running request by recompute (outside any plan)."""
+        self.running.remove(request)
+        self.counters["num_recomputed_tokens"] += request.num_computed_tokens
+        self.counters["num_preemptions"] += 1
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.kv.free(request)
+        self.waiting.appendleft(request)
+
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
@@ -74,6 +145,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            self._touch(request)
             if self.release_window:  # its next query (at num_computed_tokens) sees no slot behind this one
                 self.counters["num_blocks_released"] += self.kv.release_behind(
                     request, request.num_computed_tokens - self.release_window + 1)
@@ -92,6 +164,7 @@ class Scheduler:
             self._admit(plan, budget)
         plan.blocks_to_clear = self.kv.take_blocks_to_clear()
         plan.copies = self.kv.take_copies()
+        self._hold_back(plan)
         self._plan_samples(plan)
         return plan
 
@@ -120,10 +193,8 @@ class Scheduler:
                 if result.logprobs is not None and request.logprobs is not None:
                     request.logprobs.append(result.logprobs)
                 self.counters["num_generated_tokens"] += 1
-                try:
-                    apply_stop_rules(request, result.token, result.stop_now, self.max_model_len, self.detokenize)
-                except Exception as e:  # noqa: BLE001 - the tokenizer failing on stop strings ends only this request
-                    request.finish("error", f"checking stop strings failed: {type(e).__name__}: {e}")
+                apply_stop_rules(request, result.token, result.stop_now, self.max_model_len, self.detokenize)
+                if request.finish_reason == "error":  # the tokenizer failed on stop strings: this request only
                     self.counters["num_errors"] += 1
             changed.append(request)
             if request.is_finished:
@@ -173,6 +244,7 @@ class Scheduler:
         """Free the request's device blocks: the blocks holding its computed K/V go to host swap space, or its
         tokens are recomputed later. Swap copies run before this step's forward pass touches the freed blocks.
         Returns the tokens given back to the step's budget (the request may already have been placed)."""
+        self._touch(request)
         self.running.remove(request)
         returned = plan.remove(request)
         computed = blocks_needed(request.num_computed_tokens, self.kv.block_size)
@@ -217,6 +289,7 @@ class Scheduler:
         position = 0
         while position < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[position]
+            self._touch(request)
             if request.status is not RequestStatus.SWAPPED and self._prefix_in_flight(request):
                 position += 1
                 continue
@@ -257,6 +330,22 @@ class Scheduler:
         cached = len(self.kv.computed_blocks(request))
         return any(self.kv.common_prefix_blocks(request, other) >= cached + 2 for other in prefilling)
 
+    def _hold_back(self, plan: StepPlan) -> None:
+        """A sampling hook may make its requests sample only together (`controller.holds_back(requests)`, asked with
+        those that would sample this step; the generate take-over's lockstep): held ones run all but their last token
+        (nothing when that is all they had), which runs in a later step."""
+        completing: dict[int, list[Request]] = {}
+        for request, num_new in zip(plan.requests, plan.num_new_tokens):
+            done = request.num_computed_tokens + num_new == request.num_tokens
+            if done and hasattr(request.controller, "holds_back"):
+                completing.setdefault(id(request.controller), []).append(request)
+        held = {id(r) for group in completing.values() if group[0].controller.holds_back(group) for r in group}
+        for i in reversed(range(len(plan.requests)) if held else ()):
+            if id(plan.requests[i]) in held:
+                plan.num_new_tokens[i] -= 1
+                if not plan.num_new_tokens[i]:
+                    del plan.requests[i], plan.num_new_tokens[i]
+
     def _plan_samples(self, plan: StepPlan) -> None:
         """Which requests sample this step: those whose every token is computed after it, and the waiting samples
         of a prompt computed for the first time (they fork from it and sample from the same logits row)."""
@@ -269,6 +358,7 @@ class Scheduler:
             if request.forks and request.num_output_tokens == 0:
                 for child in request.forks:
                     if not child.is_finished:
+                        self._touch(child)
                         plan.forks.append((request, child))
                         plan.sampled.append(child)
                         plan.sample_sources.append(i)
@@ -292,6 +382,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Release a finished request's memory, wherever it is."""
+        self._touch(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

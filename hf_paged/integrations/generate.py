@@ -20,6 +20,7 @@ from .generate_run import GenerateRun
 from .in_place import call_reading_in_place, in_place_configs, on_a_paged_cache
 from .paged_cache import PagedCache
 from ..model import describe_model, position_takers
+from ..model.probe import counts_padding
 
 PAGED = "paged"
 # model kwargs the engine understands; anything else (images, inputs_embeds, the caller's own position_ids, ...)
@@ -184,6 +185,10 @@ def _hf_loop_reason(model, arguments: dict, extra: dict, config, model_kwargs: d
         reason = _engine_mask_reason(mask, _window_bites(model, span), _takes_positions(model))
         if reason is not None:
             return reason
+        if counts_padding(model) and not bool(mask.all()):  # asked on every call with a mask: once per model
+            return (f"model type {model.config.model_type!r}: its own forward counts the padding of a padded row in "
+                    f"its positions (HF's padded batch), which the engine, serving each prompt at its own positions, "
+                    f"does not reproduce")
     if "position_ids" in model_kwargs and _default_positions(model, inputs, model_kwargs["position_ids"], mask):
         model_kwargs.pop("position_ids")
     known = _ENGINE_MODEL_KWARGS
@@ -269,5 +274,27 @@ def _paged_decoding_loop(model, input_ids, logits_processor, stopping_criteria, 
                       stopping_criteria, call.get("streamer"), model_kwargs.get("position_ids"),
                       model_kwargs.get("token_type_ids"))
     engine = Engine(model, None, run.engine_config(call.get("cache_config")))
+    blocker = run.lockstep_blocker(engine) if run.must_lockstep else None
+    if blocker is not None:
+        spec, options = engine.spec, call.get("cache_config") or {}
+        del engine  # its pool goes before HF's loop allocates its own
+        return _own_loop_from_here(model, spec, options, call.get("streamer"), model_kwargs, blocker,
+                                   input_ids=input_ids, logits_processor=logits_processor,
+                                   stopping_criteria=stopping_criteria, generation_config=generation_config)
     run.run(engine)
     return run.result()
+
+
+def _own_loop_from_here(model, spec, options: dict, streamer, model_kwargs: dict, blocker: str, **arguments):
+    """HF's own decoding loop (`_sample`), taking over where HF's generate handed over to us (the prompt is already
+    streamed), on a new PagedCache instead of HF's fresh one, attention reading its pages in place where the model
+    allows it, as in `_run_hf_loop`. The pool grows as needed: a pool size the caller chose for the engine (which can
+    preempt rows) may not hold HF's batch, which keeps every row at once."""
+    if model_kwargs.get("cache") is not None:
+        model_kwargs["cache"] = PagedCache(model.config, block_size=options.get("block_size", 16))
+    arguments.update(model_kwargs, streamer=streamer)
+    configs = in_place_configs(model, spec, arguments, {})
+    in_place = ", attention reading its pages in place" if configs else ""
+    logger.warning("hf_paged: sampling, or a logits processor that may keep state or read other rows, needs every row "
+                   "in each step, but %s; running transformers' own generate loop on a PagedCache%s", blocker, in_place)
+    return call_reading_in_place(lambda m, **kwargs: m._sample(**kwargs), model, arguments, {}, configs)

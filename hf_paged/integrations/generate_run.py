@@ -13,6 +13,20 @@ from .returned_cache import KVSnapshots
 
 _NATIVE_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
 _SCORE_BLIND_CRITERIA = (*_NATIVE_CRITERIA, "StopStringCriteria", "MaxTimeCriteria")
+# HF's processors whose result for a row depends only on that row's ids and scores, never on how often or with which
+# other rows they were called: rows may run them out of step (in groups), and a finished row's scores never matter
+_ROW_WISE_PROCESSORS = frozenset((
+    "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "TemperatureLogitsWarper",
+    "RepetitionPenaltyLogitsProcessor", "TopPLogitsWarper", "TopKLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
+    "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "NoRepeatNGramLogitsProcessor",
+    "SequenceBiasLogitsProcessor", "NoBadWordsLogitsProcessor", "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "ExponentialDecayLengthPenalty",
+    "LogitNormalization", "SuppressTokensAtBeginLogitsProcessor", "SuppressTokensLogitsProcessor"))
+
+
+def _row_wise(processor) -> bool:
+    return type(processor).__module__ == "transformers.generation.logits_process" and \
+        type(processor).__name__ in _ROW_WISE_PROCESSORS
 
 
 class GenerateRun:
@@ -22,9 +36,17 @@ class GenerateRun:
     HF's processors and criteria see exactly the `input_ids` its own loop would hold: every row as passed
     in (padding kept) followed by the tokens generated so far, the whole batch in its order. As in HF, rows that
     stop are padded only when an EOS criterion exists; otherwise every row keeps generating until the
-    last one stops (`self.length`, the common final length). When scores or logits are returned, stopped rows also
-    run on (on their pads) until the last one stops, so that their scores are HF's. An exception raised by a processor or a
-    criterion ends the call and reaches the caller unchanged.
+    last one stops (`self.length`, the common final length). When scores or logits are returned, or a processor may
+    read other rows (not one of HF's row-wise ones), stopped rows also run on (on their pads) until the last one
+    stops, so that their scores are HF's. An exception raised by a processor or a criterion ends the call and reaches
+    the caller unchanged.
+
+    Lockstep (`self.lockstep`, whenever the engine can hold every row at once: `lockstep_blocker`): HF calls the
+    processors and criteria once per step with every row, and samples the whole batch with one `torch.multinomial`.
+    The scheduler asks `holds_back` before a row samples: its last token waits until every unfinished row of the call
+    samples in the same engine step, so each HF step is one `process` call with every row at the same length. Without
+    it rows sample in groups of equal length, which is exact only for greedy search with row-wise processors
+    (`must_lockstep`: otherwise generate runs HF's own loop).
     """
 
     def __init__(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, generation_config,
@@ -60,10 +82,17 @@ class GenerateRun:
         self.scores: list[list[torch.Tensor]] = [[] for _ in self.rows]
         self.raw_logits: list[list[torch.Tensor]] = [[] for _ in self.rows]
         self.pads_finished = any(hasattr(c, "eos_token_id") for c in stopping_criteria)
-        # rows end when they stop, unless HF keeps computing them: without an EOS criterion (no padding), or when
-        # scores / logits or the cache are returned (HF returns those of finished rows too, computed from their pads)
+        row_wise = all(_row_wise(p) for p in logits_processor)
+        # rows end when they stop, unless HF keeps computing them: without an EOS criterion (no padding), when
+        # scores / logits or the cache are returned (HF returns those of finished rows too, computed from their pads),
+        # or when a processor may read the scores of finished rows (HF hands it those computed from their pads)
         returns_cache = bool(generation_config.return_dict_in_generate and generation_config.use_cache is not False)
-        self.finish_at_stop = self.pads_finished and not (self.want_scores or self.want_logits or returns_cache)
+        self.finish_at_stop = self.pads_finished and row_wise and not (self.want_scores or self.want_logits
+                                                                       or returns_cache)
+        # HF's results depend on every HF step being one call with all rows: sampling draws for the whole batch at
+        # once, and a processor other than HF's row-wise ones may count calls or read the other rows
+        self.must_lockstep = self.do_sample or not row_wise
+        self.lockstep = False  # set by `run`
         self.stopped: dict[int, int] = {}  # row -> output count when it first stopped (no-EOS mode)
         self.length: int | None = None
         self.error: Exception | None = None
@@ -100,15 +129,43 @@ class GenerateRun:
     def engine_config(self, options: dict | None) -> EngineConfig:
         """The caller's cache_config. Without a pool size: exactly what this batch needs, so nothing is ever
         preempted, and the engine lives for this one call: no swap space (nor its bandwidth probe), no CUDA graphs
-        to capture, unless the caller asks for them."""
+        to capture, unless the caller asks for them. With a sampling hook, and limits the caller did not set: every
+        row runs at once (for lockstep)."""
         options = dict(options or {})
         config = EngineConfig.from_dict(options)
         if config.num_blocks is None and config.kv_cache_memory is None:
-            need = sum(blocks_needed(len(p) + self.max_new_tokens, config.block_size) for p in self.prompts)
-            config = config.replace(num_blocks=need,
+            config = config.replace(num_blocks=self._blocks_needed(config.block_size),
                                     preemption_mode=options.get("preemption_mode", "recompute"),
                                     cuda_graphs=options.get("cuda_graphs", False))
+        if not self.native:
+            config = config.replace(**{name: max(getattr(config, name), len(self.rows))
+                                       for name in ("max_num_seqs", "max_num_batched_tokens") if name not in options})
         return config
+
+    def _blocks_needed(self, block_size: int) -> int:
+        return sum(blocks_needed(len(p) + self.max_new_tokens, block_size) for p in self.prompts)
+
+    def lockstep_blocker(self, engine: Engine) -> str | None:
+        """Why the rows cannot all sample each HF step in one engine step (None: they can): every row must run at once
+        (max_num_seqs), each needs a token in that step (max_num_batched_tokens), and the pool must hold every row at
+        its full length, so that no row is ever preempted (it would fall behind the others)."""
+        rows, config = len(self.rows), engine.config
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(config, name) < rows:
+                return f"{rows} rows with {name}={getattr(config, name)}"
+        need = self._blocks_needed(config.block_size)
+        if engine.memory.num_blocks < need:
+            return f"a KV pool of {engine.memory.num_blocks} blocks, for rows that need up to {need}"
+        return None
+
+    def holds_back(self, requests: list[Request]) -> bool:
+        """Asked by the scheduler about the rows that would sample in the next engine step: in lockstep, whether they
+        must wait (some unfinished row of the call would not sample with them)."""
+        if not self.lockstep:
+            return False
+        sampling = {id(r) for r in requests}
+        sampling.update(id(c) for r in requests if r.num_output_tokens == 0 for c in r.forks)  # they sample with it
+        return any(id(r) not in sampling for r in self.requests if not r.is_finished)
 
     # ---- controller protocol ------------------------------------------------------------------------
     def _batch_ids(self, length: int) -> list[list[int]]:
@@ -134,13 +191,17 @@ class GenerateRun:
         by_length: dict[int, list[int]] = {}
         for i, request in enumerate(requests):
             by_length.setdefault(len(self.rows[request.index]) + request.num_output_tokens, []).append(i)
-        device = logits.device
+        if self.lockstep and len(by_length) > 1:
+            raise RuntimeError("hf_paged generate: rows out of step in lockstep")
+        device = self.input_ids.device  # where HF's loop processes and samples (input_ids may stay on the CPU)
+        logits = logits.to(device)
         for length, members in by_length.items():
             rows = torch.tensor([requests[i].index for i in members], device=device)
             ids = torch.tensor(self._batch_ids(length), dtype=torch.long, device=device)
             raw = logits.new_zeros(len(self.rows), logits.shape[-1])
             raw[rows] = logits[torch.tensor(members, device=device)]
-            scores = self.logits_processor(ids, raw.clone())
+            # the very tensor HF keeps as this step's logits: a processor editing it in place edits those too
+            scores = self.logits_processor(ids, raw)
             if self.do_sample:
                 probs = torch.ones_like(scores)  # other rows: uniform, so sampling draws for every row like HF
                 probs[rows] = torch.softmax(scores[rows], dim=-1)
@@ -209,6 +270,7 @@ class GenerateRun:
             engine.scheduler.release_hooks.append(self.snapshots.keep)
         params = self.sampling_params()
         controller = None if self.native else self
+        self.lockstep = controller is not None and self.lockstep_blocker(engine) is None
         keys = [(tuple(p), q, repr(t)) for p, q, t in zip(self.prompts, self.first_queries, self.token_types)]
         for b, prompt in enumerate(self.prompts):
             # num_return_sequences copies of a row fork from its first copy: the prompt is computed once

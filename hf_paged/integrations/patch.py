@@ -1,5 +1,6 @@
-"""The one place hf_paged changes transformers: attention registration, the `generate` take-over and the
-text-generation pipeline's `get_iterator` (one engine run per pipeline call).
+"""The one place hf_paged changes transformers: attention registration, the `generate` take-over, the
+text-generation pipeline's `get_iterator` (one engine run per pipeline call) and the `PreTrainedConfig.
+_attn_implementation` getter (it answers first from the running thread's switches: model/switches.py).
 Version-checked and reversible (`enable()` runs on import; `disable()` restores everything)."""
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import functools
 
 from ..config import logger
 from .. import model as paged_model
+from ..model import switches
 
 SUPPORTED = ((5, 24), (6, 0))  # transformers >= 5.24 (the `cache` argument), < 6
 _patched: dict = {}  # what enable() replaced (the original generate, the pipeline's get_iterator); empty when disabled
@@ -38,10 +40,36 @@ def enable() -> None:
     def generate(self, *args, **kwargs):
         return paged_generate(original, self, args, kwargs)
 
+    from transformers import PreTrainedConfig
+
+    _thread_local_config_class(PreTrainedConfig)  # first: it checks what this transformers defines
     paged_model.register()
     GenerationMixin.generate = generate
     _patched["generate"] = original
     _patch_pipeline()
+    switches.set_installer(_thread_local_config_class)
+
+
+def _thread_local_config_class(config_class: type) -> None:
+    """Make `config_class._attn_implementation` answer first from the running thread's switches (what an engine
+    switches for its own forward only): the property that class resolves, wherever in its MRO it is defined
+    (PreTrainedConfig's, or a subclass's own, such as hrm_text's), keeps its setter and gets a wrapped getter.
+    Restored by `disable()`."""
+    owner = next((c for c in config_class.__mro__ if "_attn_implementation" in vars(c)), None)
+    found = None if owner is None else vars(owner)["_attn_implementation"]
+    if not isinstance(found, property) or found.fget is None:
+        raise ImportError(f"hf_paged: {config_class.__name__}._attn_implementation is not a property with a getter "
+                          f"in this transformers; hf_paged cannot switch attention for one thread")
+    if switches.is_thread_local(found.fget):
+        return
+    setattr(owner, "_attn_implementation",
+            property(switches.thread_local_getter(found.fget), found.fset, found.fdel, found.__doc__))
+    _patched.setdefault("config_properties", []).append((owner, found))
+
+
+def _unpatch_config_classes() -> None:
+    for owner, original in reversed(_patched.pop("config_properties", [])):
+        setattr(owner, "_attn_implementation", original)
 
 
 def _patch_pipeline() -> None:
@@ -84,8 +112,10 @@ def disable() -> None:
         return
     from transformers.generation.utils import GenerationMixin
 
+    switches.set_installer(None)  # engines now raise HfPagedDisabled, naming hf_paged.enable()
     GenerationMixin.generate = _patched.pop("generate")
     _unpatch_pipeline()
+    _unpatch_config_classes()
     paged_model.unregister()
     logger.debug("hf_paged disabled")
 

@@ -1,7 +1,7 @@
 """Physical blocks, their reference counts, the free queue and the prefix map. Knows nothing about models."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, eq=False)
@@ -27,18 +27,23 @@ class Block:
 
 class FreeBlockQueue:
     """Doubly linked list of free blocks: O(1) pop from the front, push to either end, and removal
-    from the middle (to revive a cached block on a prefix hit). Never uses list.remove."""
+    from the middle (to revive a cached block on a prefix hit). Never uses list.remove. `before_change`, when set,
+    is called with every block (sentinels included) whose links are about to change (the pool's undo journal)."""
 
     def __init__(self, blocks: list[Block]):
         self._head = Block(-1)
         self._tail = Block(-1)
         self._head.next, self._tail.prev = self._tail, self._head
         self.num_free = 0
+        self.before_change = None
         for block in blocks:
             self.push_back(block)
 
     def _link(self, block: Block, before: Block) -> None:
         after = before.next
+        if self.before_change is not None:
+            for changed in (block, before, after):
+                self.before_change(changed)
         block.prev, block.next = before, after
         before.next = after.prev = block
         self.num_free += 1
@@ -50,6 +55,9 @@ class FreeBlockQueue:
         self._link(block, self._tail.prev)
 
     def remove(self, block: Block) -> None:
+        if self.before_change is not None:
+            for changed in (block, block.prev, block.next):
+                self.before_change(changed)
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self.num_free -= 1
@@ -60,6 +68,18 @@ class FreeBlockQueue:
             raise RuntimeError("no free KV blocks")
         self.remove(block)
         return block
+
+
+@dataclass(slots=True, eq=False)
+class Journal:
+    """What `BlockPool.rollback` needs: each changed block's fields before its first change (keyed by id(), so the
+    free queue's two sentinels count apart), each changed prefix-map key's block before (None: absent), the free
+    count at `begin`, and the blocks handed out since."""
+
+    num_free: int
+    blocks: dict = field(default_factory=dict)
+    keys: dict = field(default_factory=dict)
+    allocated: set = field(default_factory=set)
 
 
 NULL_BLOCK = 0  # a block of the KV storage that is never handed out: padding rows and table padding point at it
@@ -83,6 +103,50 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks + 1)]  # blocks[NULL_BLOCK] is never free nor held
         self.free_queue = FreeBlockQueue(self.blocks[NULL_BLOCK + 1:])
         self.cached: dict[bytes, Block] = {}
+        self._journal: Journal | None = None  # while a step runs: how to undo it (see `begin`)
+
+    # ---- all or nothing --------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start recording every change, so that `rollback` can put the pool back exactly as it is now."""
+        self._journal = Journal(self.free_queue.num_free)
+        self.free_queue.before_change = self._save
+
+    def commit(self) -> None:
+        """Keep every change since `begin`."""
+        self._journal = None
+        self.free_queue.before_change = None
+
+    def rollback(self) -> set[int]:
+        """Undo every change since `begin` (reference counts, free queue order, prefix map, generations). Returns
+        the blocks handed out meanwhile: their memory may have been written since, so the caller must not trust
+        what they held (they are dropped from the prefix map here)."""
+        journal, self._journal = self._journal, None
+        self.free_queue.before_change = None
+        if journal is None:
+            return set()
+        for block, fields in journal.blocks.values():
+            (block.ref_count, block.block_hash, block.token_ids, block.parent, block.parent_generation,
+             block.generation, block.prev, block.next) = fields
+        for key, block in journal.keys.items():
+            if block is None:
+                self.cached.pop(key, None)
+            else:
+                self.cached[key] = block
+        self.free_queue.num_free = journal.num_free
+        for block_id in journal.allocated:
+            self.uncache(block_id)
+        return journal.allocated
+
+    def _save(self, block: Block) -> None:
+        journal = self._journal
+        if journal is not None and id(block) not in journal.blocks:
+            journal.blocks[id(block)] = (block, (block.ref_count, block.block_hash, block.token_ids, block.parent,
+                                                 block.parent_generation, block.generation, block.prev, block.next))
+
+    def _save_key(self, key: bytes) -> None:
+        journal = self._journal
+        if journal is not None and key not in journal.keys:
+            journal.keys[key] = self.cached.get(key)
 
     @property
     def num_free_blocks(self) -> int:
@@ -104,6 +168,9 @@ class BlockPool:
         taken = []
         for _ in range(count):
             block = self.free_queue.pop_front()
+            self._save(block)
+            if self._journal is not None:
+                self._journal.allocated.add(block.block_id)
             if block.block_hash is not None:
                 self._evict(block)
             block.generation += 1  # new contents: children cached after the old contents no longer follow it
@@ -120,6 +187,7 @@ class BlockPool:
                 raise RuntimeError("the null KV block is never handed out, so it cannot be freed")
             if block.ref_count <= 0:
                 raise RuntimeError(f"KV block {block_id} freed twice")
+            self._save(block)
             block.ref_count -= 1
             if block.ref_count == 0:
                 if block.block_hash is None:
@@ -130,6 +198,7 @@ class BlockPool:
     def touch(self, blocks: list[Block]) -> None:
         """Take a reference on prefix-hit blocks, reviving those that sat in the free queue."""
         for block in blocks:
+            self._save(block)
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
@@ -150,6 +219,8 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self.cached:
             return
+        self._save(block)
+        self._save_key(block_hash)
         block.block_hash, block.token_ids = block_hash, tuple(token_ids)
         block.parent, block.parent_generation = parent, parent.generation if parent is not None else 0
         self.cached[block_hash] = block
@@ -161,6 +232,8 @@ class BlockPool:
             self._evict(block)
 
     def _evict(self, block: Block) -> None:
+        self._save(block)
+        self._save_key(block.block_hash)
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
         block.block_hash = block.token_ids = block.parent = None

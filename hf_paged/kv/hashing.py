@@ -18,6 +18,7 @@ _ROOT = b"\x00" * 16
 def hash_block(parent: bytes | None, token_ids: Sequence[int], salt: str | None) -> bytes:
     digest = hashlib.blake2b(digest_size=16, key=_SECRET)
     digest.update(parent or _ROOT)
-    digest.update((salt or "").encode() + b"\x00")
+    # no salt and the empty salt differ: a request that names any salt shares blocks only with that very salt
+    digest.update(b"\x00" if salt is None else b"\x01" + salt.encode() + b"\x00")
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()

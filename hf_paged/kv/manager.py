@@ -54,18 +54,62 @@ class KVCacheManager:
         self._clean = bytearray(num_blocks + 1)  # 1: the block's memory holds finite values
         self._clean[NULL_BLOCK] = 1  # cleared once when the cache is created (see take_blocks_to_clear)
         self._copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) not yet executed
+        self._saved: tuple | None = None  # what `rollback` restores besides the pool (see `begin`)
+        self._context: object = None  # what produced the cached K/V (weights, adapters, scales): see `set_context`
+        self._root: bytes | None = None  # the chain's root key for this context
+        self._contexts = 0
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    # ---- all or nothing ------------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Record from now on (see `BlockPool.begin`); the pending lists and the clean flags are copied."""
+        self.pool.begin()
+        self._saved = (list(self._fresh), list(self._copies), bytes(self._clean), self.hit_tokens, self.query_tokens)
+
+    def commit(self) -> None:
+        self.pool.commit()
+        self._saved = None
+
+    def rollback(self) -> set[int]:
+        """Put the pool and this manager back as they were at `begin` (the sequences' own fields are the caller's to
+        restore). Returns the blocks handed out meanwhile: their memory may have been written (cleared, copied into,
+        swapped into, or by a forward pass), so they count as not clean and are out of the prefix map; a sequence
+        that holds one after the caller's restore must not trust its contents."""
+        allocated = self.pool.rollback()
+        if self._saved is not None:
+            fresh, copies, clean, self.hit_tokens, self.query_tokens = self._saved
+            self._fresh, self._copies, self._clean = fresh, copies, bytearray(clean)
+            self._saved = None
+        for block_id in allocated:
+            self._clean[block_id] = 0
+        return allocated
+
     # ---- prefix reuse ----------------------------------------------------------------------------
+    def set_context(self, context: object) -> bool:
+        """Say what produces K/V from now on (compared with ==; a fresh `object()` always differs). When it changed,
+        every cached block leaves the prefix map and keys start from a new root, so no K/V produced before is ever
+        found again, not even a block still being computed under the old one. The caller drops the keys of
+        sequences that hold no blocks. Returns whether it changed."""
+        if self._contexts and context == self._context:
+            return False
+        first, self._context = not self._contexts, context
+        self._contexts += 1
+        if first:
+            return False
+        self._root = self._contexts.to_bytes(16, "little")
+        for block in list(self.pool.cached.values()):
+            self.pool.uncache(block.block_id)
+        return True
+
     def _hashes(self, request: Sequence, count: int) -> list[bytes]:
         """The chain keys of the request's first `count` full blocks (computed once, extended lazily)."""
         bs, keys, tokens = self.block_size, request.block_hashes, request.all_token_ids
         while len(keys) < count:
             i = len(keys)
-            keys.append(hash_block(keys[-1] if keys else None, tokens[i * bs:(i + 1) * bs], request.cache_salt))
+            keys.append(hash_block(keys[-1] if keys else self._root, tokens[i * bs:(i + 1) * bs], request.cache_salt))
         return keys[:count]
 
     def computed_blocks(self, request: Sequence) -> list[Block]:
@@ -209,6 +253,13 @@ class KVCacheManager:
             block = self.pool.cached.get(key)
             if block is not None:
                 self.pool.uncache(block.block_id)
+
+    def distrust_tail(self, request: Sequence) -> None:
+        """A failed forward pass may have written past the request's computed tokens: the block holding its next slot
+        is cleared before it is next handed out (the request itself overwrites those slots before reading them)."""
+        index = request.num_computed_tokens // self.block_size
+        if index < len(request.block_table) and request.block_table[index] != NULL_BLOCK:
+            self._clean[request.block_table[index]] = 0
 
     def free(self, request: Sequence) -> None:
         self.pool.free(held(request.block_table))

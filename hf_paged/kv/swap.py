@@ -62,16 +62,36 @@ class SwapPool:
         self.free_ids = list(range(num_blocks - 1, -1, -1))  # a stack: pop() gives the lowest id
         self.stream = torch.cuda.Stream(cache.storage.device) if pin else None
         self.bytes_per_block = self.storage[:, :, :1].numel() * self.storage.element_size()
+        self._undo: list[tuple[int, list[int]]] | None = None  # while a step runs: (pushed count, popped ids)
 
     @property
     def num_free(self) -> int:
         return len(self.free_ids)
 
     def allocate(self, count: int) -> list[int]:
-        return [self.free_ids.pop() for _ in range(count)]
+        ids = [self.free_ids.pop() for _ in range(count)]
+        if self._undo is not None:
+            self._undo.append((0, ids))
+        return ids
 
     def free(self, ids: list[int]) -> None:
         self.free_ids.extend(reversed(ids))
+        if self._undo is not None:
+            self._undo.append((len(ids), []))
+
+    def begin(self) -> None:
+        """Record allocations and frees from now on, so that `rollback` restores the free list exactly."""
+        self._undo = []
+
+    def commit(self) -> None:
+        self._undo = None
+
+    def rollback(self) -> None:
+        undo, self._undo = self._undo or [], None
+        for pushed, popped in reversed(undo):
+            if pushed:
+                del self.free_ids[-pushed:]
+            self.free_ids.extend(reversed(popped))
 
     def _copy(self, src, dst, src_ids, dst_ids) -> None:
         if self.stream is None:

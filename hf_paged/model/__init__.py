@@ -1,13 +1,14 @@
 """How the engine drives a transformers model: what it is (`describe_model` / `ModelSpec`) and the "paged"
 attention function that reads and writes the KV pages during one packed forward pass; plus "paged_cache", the sdpa
 attention that reads a `PagedCache`'s pages in place in transformers' own loop."""
-from . import cache_attention, paged_forward
+from . import cache_attention, paged_forward, switches
 from .cache_attention import CACHE_ATTENTION_NAME
 from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, attention_implementation, paged_attention_active, position_takers
 from .probe import check_paged_matches_model
 from .small_linear import SmallBatchLinears
 from .spec import ModelSpec, describe_model
+from .switches import HfPagedDisabled, require_enabled
 
 
 def register() -> None:
@@ -22,5 +23,5 @@ def unregister() -> None:
 
 
 __all__ = ["CACHE_ATTENTION_NAME", "check_paged_matches_model", "SmallBatchLinears", "ModelSpec", "describe_model",
-           "PagedForwardContext", "attention_implementation", "forward_lock", "paged_attention_active",
-           "position_takers", "register", "unregister"]
+           "HfPagedDisabled", "PagedForwardContext", "attention_implementation", "forward_lock",
+           "paged_attention_active", "position_takers", "register", "require_enabled", "switches", "unregister"]

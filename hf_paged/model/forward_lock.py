@@ -30,7 +30,7 @@ class ForwardLock:
         return self._lock.__exit__(*exc)
 
     def __deepcopy__(self, memo):
-        return False  # the copy gets a lock of its own on first use, after `check_not_copied_mid_forward`
+        return False  # the copy gets a lock of its own on first use, after `drop_mid_forward_leftovers`
 
     def __reduce__(self):
         return bool, ()
@@ -47,31 +47,19 @@ def forward_lock(model) -> ForwardLock:
     with _PLACING:  # first use, or a loaded model carrying the placeholder: place exactly one lock
         lock = model.__dict__.get(KEY)
         if not isinstance(lock, ForwardLock):
-            check_not_copied_mid_forward(model)
+            drop_mid_forward_leftovers(model)
             lock = model.__dict__[KEY] = ForwardLock()
         return lock
 
 
-def check_not_copied_mid_forward(model) -> None:
-    """A model without a lock of its own is one nobody runs, so hf_paged's per-forward switches found on it are
-    leftovers of a copy (`copy.deepcopy`, pickling) taken while another thread ran hf_paged on the original: its
-    swapped-in linear forwards are dropped, and a config still marked as switched (its attention implementation,
-    maybe module patches, are those of the middle of a forward, not the model's own) makes the model refused."""
-    from .paged_forward import SWITCHED
+def drop_mid_forward_leftovers(model) -> None:
+    """A model without a lock of its own is one nobody runs, so instance forwards of hf_paged's found on it are
+    leftovers of a copy (`copy.deepcopy`, pickling) taken while another thread ran hf_paged on the original: they
+    already run the copy's own forward (they switch only in the thread that installed them on the original), and
+    are removed here so that the copy is exactly as the original was found. Configs are never switched by writing
+    to them (`switches.switched_attention`), so a copy's config is the original's as the user left it."""
     from .small_linear import drop_leftover_forwards
+    from .switches import drop_thread_forwards
 
     drop_leftover_forwards(model)
-    stuck = sorted({vars(c)[SWITCHED] for c in _configs(model) if SWITCHED in vars(c)})
-    if stuck:
-        raise ValueError(f"this model was copied or saved while hf_paged was running a forward of the original in "
-                         f"another thread (its attention is still switched to {stuck}): copy or save a model between "
-                         f"calls, or inside `with hf_paged.model.forward_lock(model):`")
-
-
-def _configs(model) -> list:
-    """The configs hf_paged switches (`spec.describe_model`): the model's config and its text (decoder) config."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return []
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return [config] if text is config else [config, text]
+    drop_thread_forwards(model)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
@@ -9,9 +10,9 @@ import torch
 
 from ..attention import AttentionBackends, AttentionMetadata, LayerExtras, store_kv
 from ..kv import KVCache
+from .switches import ThreadForward, switched_attention
 
 ATTENTION_NAME = "paged"
-SWITCHED = "_hf_paged_switched_to"  # on a config while hf_paged has switched its attention
 SHAPES_NAME = "hf_paged_kv_shapes"  # the attention implementation that records K/V shapes (record_kv_shapes)
 PASSED_DOWN = ("paged_context", "hf_paged_kv_shapes")  # forward keywords ModulePatches hands to attention modules
 
@@ -162,13 +163,16 @@ class ModulePatches:
       row's position in its own sequence instead (what HF computes for that sequence alone).
 
     The keywords are taken from the top-level forward by a pre-hook on `model`. Outside `installed()` every module
-    is exactly as found (hooks removed, instance-level forwards restored)."""
+    is exactly as found (hooks removed, instance-level forwards restored). Inside, only the installing thread sees
+    any of it: the hooks do nothing and the forwards (`switches.ThreadForward`) are the modules' own in any other
+    thread, so a plain forward of the model there is untouched."""
 
     model: torch.nn.Module
     adapters: list
     injected: list
     positioned: list = field(default_factory=list)
     keywords: dict = field(default_factory=dict)
+    thread: int | None = None  # the thread inside `installed()`
 
     @property
     def context(self) -> PagedForwardContext | None:
@@ -180,27 +184,34 @@ class ModulePatches:
         hooks += [m.register_forward_pre_hook(self._inject, with_kwargs=True) for m in self.injected]
         hooks += [m.register_forward_pre_hook(self._place, with_kwargs=True) for m in self.positioned]
         found = [module.__dict__.get("forward") for module, _ in self.adapters]  # instance-level forwards, if any
+        outer, self.thread = self.thread, threading.get_ident()
         try:
-            for module, factory in self.adapters:
-                module.forward = factory(module, self)
+            for (module, factory), previous in zip(self.adapters, found):
+                module.forward = ThreadForward(module, factory(module, self), previous)
             yield
         finally:
             for hook in hooks:
                 hook.remove()
-            self.keywords = {}
+            self.keywords, self.thread = {}, outer
             for (module, _), previous in zip(self.adapters, found):
                 module.__dict__.pop("forward", None)
                 if previous is not None:
                     module.forward = previous
 
+    def __deepcopy__(self, memo):  # a model copied mid-forward keeps our hooks: in the copy they do nothing
+        return ModulePatches(memo.get(id(self.model), self.model), [], [])
+
     def _capture(self, _, args, kwargs) -> None:
-        self.keywords = {k: kwargs[k] for k in PASSED_DOWN if k in kwargs}
+        if self.thread == threading.get_ident():
+            self.keywords = {k: kwargs[k] for k in PASSED_DOWN if k in kwargs}
 
     def _inject(self, _, args, kwargs):
+        if self.thread != threading.get_ident():
+            return None
         return args, {**self.keywords, **kwargs}
 
     def _place(self, module, args, kwargs):
-        if self.context is None:
+        if self.thread != threading.get_ident() or self.context is None:
             return None
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
         given = bound.arguments.get("position_ids")  # the model's own: [T] or [1, T]; ours in the same shape
@@ -294,35 +305,23 @@ SELF_ATTENDING = {"BloomAttention": bloom_attention, "MptAttention": mpt_attenti
 
 @contextmanager
 def paged_attention_active(configs: list):
-    """Switch the model's configs to the "paged" implementation for one forward, restoring them after
-    (even on error), so the model is left exactly as it was found. `ModulePatches` among them are installed for
-    the same duration."""
+    """The model's configs read the "paged" implementation for one forward, in this thread only (nothing is written
+    to them: `switches.switched_attention`). `ModulePatches` among them are installed for the same duration."""
     with attention_implementation(configs, ATTENTION_NAME):
         yield
 
 
 @contextmanager
 def attention_implementation(configs: list, name: str):
-    """The configs' attention implementation is `name` inside, what it was after (even on error); `ModulePatches`
-    among `configs` are installed for the same duration."""
+    """The configs' attention implementation is `name` inside, for this thread only; `ModulePatches` among
+    `configs` are installed for the same duration (removed even on error). Raises `switches.HfPagedDisabled` after
+    `hf_paged.disable()`."""
     patches = [c for c in configs if isinstance(c, ModulePatches)]
     configs = [c for c in configs if not isinstance(c, ModulePatches)]
-    saved = [(c._attn_implementation_internal, vars(c).get(SWITCHED)) for c in configs]
-    try:
-        for c in configs:
-            c._attn_implementation_internal = name
-            vars(c)[SWITCHED] = name  # marks a copy taken now (forward_lock.check_not_copied_mid_forward)
-        with ExitStack() as stack:
-            for p in patches:
-                stack.enter_context(p.installed())
-            yield
-    finally:
-        for c, (value, marker) in zip(configs, saved):
-            c._attn_implementation_internal = value
-            if marker is None:
-                vars(c).pop(SWITCHED, None)
-            else:
-                vars(c)[SWITCHED] = marker
+    with switched_attention(configs, name), ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p.installed())
+        yield
 
 
 def record_kv_shapes(module, query, key, value, attention_mask, *args, hf_paged_kv_shapes=None, **kwargs):

@@ -1,14 +1,23 @@
 """Before an engine serves a model: one small check that its paged forward reproduces the model's own.
 
-Two random sequences run through the engine's path (packed prefill, then one decode step each) on a throwaway
-KV cache of a few blocks, and through the model's own forward with its own attention implementation. Logits must
-agree to within float rounding; otherwise the model is refused with a ValueError that says so. This catches what
+Three random sequences run through the engine's path on a throwaway KV cache of a few blocks, in packed steps as
+serving makes them (`STEPS`: a prefill, a chunk of several tokens after cached context, decodes, all mixed in one
+step), and through the model's own forward with its own attention implementation; the last logits of each sequence
+at each step must agree to within float rounding; otherwise the model is refused with a ValueError that says so.
+Position handling that is right only for a prefill from position 0 or for a single-token decode is caught here
+(a position-embedding module that counts from the step or from a cache length). This catches what
 no list of features can (a module that does something to attention the paged function cannot see), and the
 guard in `paged_forward.check_supported` turns any argument the paged function would ignore into an error here,
 at start, instead of in the middle of serving. The verdict is kept on the model per (backend, dtype).
 
-It also reports the one sliding window every layer's attention applied in that forward, if there is one: then no
-query ever reads a slot more than a window behind it, and the engine may give those blocks back.
+It also reports the one sliding window every layer's attention applied in the last forward, if there is one: then
+no query ever reads a slot more than a window behind it, and the engine may give those blocks back.
+
+`counts_padding` answers a question about the model alone, for the generate take-over: whether its own forward on
+a left-padded prompt (with the attention mask, and the position ids HF's generate passes) differs from the prompt
+alone. Models whose position embeddings count from the cache length instead of the mask (trocr, whisper, marian,
+pegasus decoders) do: HF's own left-padded batch shifts a padded row's positions by its padding, which the engine,
+serving each prompt at its own positions, does not reproduce.
 """
 from __future__ import annotations
 
@@ -23,15 +32,18 @@ from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_attention_active
 from .spec import ModelSpec
 
-LENGTHS = (11, 5)  # two sequences of different lengths, longer than a block
+# the step boundaries of each sequence (its length last): step s runs tokens cuts[s-1]:cuts[s] of every sequence, so
+# each step mixes prefills from 0, chunks after cached context (crossing blocks) and single-token decodes
+STEPS = ((6, 9, 10, 11), (1, 2, 4, 5), (4, 5, 7, 8))
+LENGTHS = tuple(cuts[-1] for cuts in STEPS)
 BLOCK_SIZE = 4
+PADDING = 5  # left padding of `counts_padding`'s prompt
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # relative to the largest logit; half precision: 3e-2
 
 
 def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences: list[list[int]]) -> tuple:
-    """Prefill every sequence but its last token in one packed step, then decode that token for each: the last
-    logits of each sequence from both steps, and the sliding window every attention call passed (None if they
-    differ or pass none)."""
+    """Run every sequence through the packed steps of `STEPS`: the last logits of each sequence at each step, and the
+    sliding window every attention call of the last step passed (None if they differ or pass none)."""
     device = spec.kv.device
     blocks_per_sequence = -(-max(map(len, sequences)) // BLOCK_SIZE)
     dtype = next(model.parameters()).dtype  # the model's own dtype, also when the engine's cache is fp8
@@ -39,11 +51,10 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
     cache.storage.zero_()
     tables = [[1 + i * blocks_per_sequence + b for b in range(blocks_per_sequence)] for i in range(len(sequences))]
     results = []
-    for start, end in (("prefill", -1), ("decode", None)):
+    for step in range(len(STEPS[0])):
         ids, positions, slots, query_lens, context_lens = [], [], [], [], []
-        for seq, table in zip(sequences, tables):
-            first = 0 if start == "prefill" else len(seq) - 1
-            last = len(seq) - 1 if end == -1 else len(seq)
+        for seq, table, cuts in zip(sequences, tables, STEPS):
+            first, last = cuts[step - 1] if step else 0, cuts[step]
             ids += seq[first:last]
             positions += list(range(first, last))
             slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(first, last)]
@@ -54,21 +65,26 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
         with paged_attention_active(spec.configs):
             out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
                         use_cache=False, paged_context=context)
-        if context.num_calls != spec.kv.num_layers:
-            model_type = getattr(model.config, "model_type", type(model).__name__)
-            if context.num_calls > spec.kv.num_layers:
-                raise UnsupportedAttention(f"model type {model_type!r}: its {spec.kv.num_layers} layers call attention "
-                                           f"{context.num_calls} times per forward (e.g. differential attention); the "
-                                           f"paged cache holds one K/V per layer")
-            raise UnsupportedAttention(f"model type {model_type!r}: {context.num_calls} of its {spec.kv.num_layers} "
-                                       f"layers route attention through transformers' AttentionInterface, so its KV "
-                                       f"cache cannot be paged")
+        _check_calls(model, spec, context.num_calls)
         rows = torch.tensor(query_lens, device=device).cumsum(0) - 1
         results.append(out.logits[0, rows].float())
-    windows = set(context.windows)  # of the decode forward (every layer ran once)
+    windows = set(context.windows)  # of the last forward (every layer ran once)
     window = windows.pop() if len(windows) == 1 else None
     valid = isinstance(window, int) and not isinstance(window, bool) and window > 0
     return results, window if valid else None
+
+
+def _check_calls(model, spec: ModelSpec, calls: int) -> None:
+    """Every layer's attention must have reached the paged function exactly once in the forward."""
+    if calls == spec.kv.num_layers:
+        return
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    if calls > spec.kv.num_layers:
+        raise UnsupportedAttention(f"model type {model_type!r}: its {spec.kv.num_layers} layers call attention "
+                                   f"{calls} times per forward (e.g. differential attention); the paged cache holds "
+                                   f"one K/V per layer")
+    raise UnsupportedAttention(f"model type {model_type!r}: {calls} of its {spec.kv.num_layers} layers route "
+                               f"attention through transformers' AttentionInterface, so its KV cache cannot be paged")
 
 
 def _own_logits(model, ids: list[int], device) -> torch.Tensor:
@@ -80,6 +96,42 @@ def _own_logits(model, ids: list[int], device) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids], device=device), **kwargs).logits[0, -1].float()
 
 
+@torch.inference_mode()
+def counts_padding(model) -> bool:
+    """Whether the model's own forward on a left-padded prompt, called as HF's generate calls it (the attention mask;
+    position ids from the mask when its forward takes them), gives other last logits than the prompt alone: its
+    positions count the padding (trocr, whisper, ... decoders: positions from the cache length), or the padding
+    reaches it some other way. Then HF's own padded batch is not what the engine computes for a padded row (each
+    prompt at its own positions). Two small forwards, once per model (dtype, device); a forward that fails answers
+    True (HF's loop decides). See the module doc."""
+    param = next(model.parameters())
+    key = (str(param.dtype), str(param.device))
+    known = model.__dict__.setdefault("_hf_paged_counts_padding", {})
+    if key in known:
+        return known[key]
+    text = model.config.get_text_config(decoder=True)
+    vocab = min(getattr(text, "vocab_size", None) or 256, 1000)
+    pad = getattr(text, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
+    prompt = torch.randint(3, vocab, (LENGTHS[0],), generator=torch.Generator().manual_seed(1))
+    prompt = torch.where(prompt == pad, 3 if pad != 3 else 4, prompt)[None].to(param.device)
+    padded = torch.cat([torch.full((1, PADDING), pad, device=param.device), prompt], dim=1)
+    mask = (torch.arange(padded.shape[1], device=param.device) >= PADDING).long()[None]
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    try:
+        with forward_lock(model):
+            alone = {"position_ids": torch.arange(prompt.shape[1], device=param.device)[None]} if takes_positions else {}
+            want = model(input_ids=prompt, attention_mask=torch.ones_like(prompt), **alone).logits[0, -1].float()
+            with_pad = {"position_ids": model._prepare_position_ids_for_generation(padded, {"attention_mask": mask})
+                        } if takes_positions else {}
+            got = model(input_ids=padded, attention_mask=mask, **with_pad).logits[0, -1].float()
+        answer = not _relative_difference(got, want) <= TOLERANCE.get(param.dtype, 3e-2)
+    except Exception:  # noqa: BLE001 - a model that fails on a padded prompt: HF's own loop gives HF's behaviour
+        return True
+    known[key] = answer
+    return answer
+
+
 def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| relative to the largest finite |want|. Entries non-finite in both count as equal (a
     model whose weights already give NaN for some token is no reason to refuse it); NaN in one only is a mismatch."""
@@ -88,6 +140,14 @@ def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     finite = want[torch.isfinite(want)]
     scale = float(finite.abs().max()) if finite.numel() else 1.0
     return float(diff.max()) / max(scale, 1e-6)
+
+
+def _own_positions(model) -> str:
+    """A hint for the refusal: position-embedding modules that compute positions themselves (no `position_ids`
+    argument, e.g. from the token ids or a cache length), which the engine's packed steps cannot set right."""
+    own = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("PositionalEmbedding")
+                  and "position_ids" not in inspect.signature(m.forward).parameters})
+    return f" (its {', '.join(own)} computes positions itself, not from position ids)" if own else ""
 
 
 def _window_fields(config) -> tuple:
@@ -123,7 +183,8 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             # as the model's verdict: the failure may be passing (the next engine checks again)
             raise ValueError(f"model type {model_type!r}: its forward fails on hf_paged's paged path "
                              f"({type(e).__name__}: {e})") from e
-        own = [[_own_logits(model, seq[:cut], spec.kv.device) for seq in sequences] for cut in (-1, None)]
+        own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
+               for step in range(len(STEPS[0]))]
     worst = 0.0
     for got, want in zip(paged, own):
         worst = max(worst, _relative_difference(got, torch.stack(want)))
@@ -132,7 +193,7 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
     if not worst <= tolerance:  # also catches NaN
         verdicts[key] = (f"model type {model_type!r}: hf_paged's paged attention does not reproduce the model's own "
                          f"attention (largest logit difference {worst:.2e} of the largest logit, tolerance "
-                         f"{tolerance:.0e}); it is refused rather than served wrong")
+                         f"{tolerance:.0e}){_own_positions(model)}; it is refused rather than served wrong")
         raise ValueError(verdicts[key])
     windows[key] = window
     return window

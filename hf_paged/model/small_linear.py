@@ -17,9 +17,10 @@ products far below what the CPU can do: on a 2-vCPU EPYC it multiplies the LM he
 Every output is the same sum as F.linear's in another order of floating-point additions (like any other kernel
 choice). `SmallBatchLinears.active()` swaps the `forward` of each plain `torch.nn.Linear` of the model
 (exact type: subclasses such as quantized layers keep theirs) for one forward pass and restores them after, even
-on error. Only fp32 CPU weights take it; each call re-checks dtype, device and layout (a model cast or moved after
-the engine was built gets F.linear). `HF_PAGED_SMALL_LINEARS=0` turns all of it off; `small_linear_status()` says
-which product is in use.
+on error; they run only in the thread that swapped them in (`switches.THIS_THREAD.linears`): a plain forward of
+the model in another thread meanwhile gets F.linear, as without hf_paged. Only fp32 CPU weights take it; each call
+re-checks dtype, device and layout (a model cast or moved after the engine was built gets F.linear).
+`HF_PAGED_SMALL_LINEARS=0` turns all of it off; `small_linear_status()` says which product is in use.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 
 from .. import native
+from .switches import THIS_THREAD
 
 MAX_ROWS = 64  # W @ x^T: above this the usual layout is as fast or faster
 KERNEL_MAX_ROWS = 128  # the native kernel: beyond this MKL catches up
@@ -101,9 +103,11 @@ def _rows(x: torch.Tensor, limit: int) -> torch.Tensor | None:
 # Both forwards are plain functions bound to their module (types.MethodType), not closures over it: a copy of the
 # model taken while they are swapped in (copy.deepcopy binds a method to the copied module) computes with its own
 # weights, and `drop_leftover_forwards` can recognize them. The parameters are read on every call: one replaced after
-# the engine was built is used as it is now.
+# the engine was built is used as it is now. Outside the thread that swapped them in they are nn.Linear's forward.
 def _kernel_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
     weight, bias = self.weight, self.bias
+    if id(self) not in THIS_THREAD.linears:
+        return torch.nn.functional.linear(input, weight, bias)
     kernel = load_small_gemm()
     rows = _rows(input, KERNEL_MAX_ROWS)
     if kernel is None or rows is None or not _kernel_takes(rows, weight, bias):
@@ -116,7 +120,7 @@ def _kernel_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor: 
 def _small_batch_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
     weight, bias = self.weight, self.bias
     rows = _rows(input, MAX_ROWS)
-    if rows is None or weight.dim() != 2:
+    if rows is None or weight.dim() != 2 or id(self) not in THIS_THREAD.linears:
         return torch.nn.functional.linear(input, weight, bias)
     columns = rows.t()
     if weight.shape[0] > CHUNK:  # each piece lands transposed in place: one pass over the output
@@ -156,6 +160,7 @@ class SmallBatchLinears:
         kernel = load_small_gemm() if self.modules else None
         function = _small_batch_linear if kernel is None else _kernel_linear
         self.forwards = [types.MethodType(function, m) for m in self.modules]
+        self.ids = frozenset(id(m) for m in self.modules)
 
     @contextmanager
     def active(self):
@@ -167,6 +172,9 @@ class SmallBatchLinears:
         # a module that carries a forward of its own (accelerate's offloading hooks, a user's wrapper) keeps it
         # set in the instance dict directly: what nn.Module.__setattr__ does for a plain function, at a fifth of the
         # cost (57 linears each way: 100 -> 20 us a step)
+        on = THIS_THREAD.linears
+        added = self.ids - on  # this thread's switch: another thread calling these forwards gets F.linear
+        on |= added
         swapped = [(m, f) for m, f in zip(self.modules, self.forwards) if "forward" not in vars(m)]
         for module, forward in swapped:
             vars(module)["forward"] = forward
@@ -175,3 +183,4 @@ class SmallBatchLinears:
         finally:
             for module, _ in swapped:
                 vars(module).pop("forward", None)  # the class's forward again
+            on -= added

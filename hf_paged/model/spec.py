@@ -10,6 +10,7 @@ from ..kv import KVCacheSpec
 from .forward_lock import forward_lock
 from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
                             self_attending_modules)
+from .switches import require_enabled
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 
@@ -35,10 +36,11 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     attention modules, `ModulePatches`), with those shapes and nothing the paged function ignores, is decided by
     what it does: `probe.check_paged_matches_model` runs it once. Raises ValueError naming the model type and the
     reason."""
+    require_enabled()  # after hf_paged.disable(): HfPagedDisabled, saying how to re-enable
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "generation_config"):
         raise ValueError(f"{type(model).__name__} is not a transformers generative model")
-    forward_lock(model)  # placed now: a copy taken in the middle of an hf_paged forward is refused here
+    forward_lock(model)  # placed now: a copy taken in the middle of an hf_paged forward loses our leftovers here
     model_type = getattr(config, "model_type", type(model).__name__)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"model type {model_type!r} is encoder-decoder; hf_paged serves decoder-only models")

@@ -1,0 +1,39 @@
+"""What produced a model's K/V, as a value that changes whenever that does: the engine keys its prefix cache by it.
+
+Caught: parameters and buffers changed in place through the tensor (optimizer steps, `load_state_dict`, `copy_`
+under `no_grad`: the version counter), replaced, moved, cast or resized (identity, storage, dtype, device, shape),
+PEFT adapters switched, disabled, merged or unmerged (the adapter layers' own state), train / eval mode. Not caught:
+writes through `.data` (they bypass the version counter) and changes to code; `LLM.reset_prefix_cache()` covers
+those.
+"""
+from __future__ import annotations
+
+import torch
+
+# attributes of PEFT's adapter layers that decide what they compute (read only where a module has them)
+ADAPTER_STATE = ("_disable_adapters", "_active_adapter", "merged_adapters", "scaling", "active_adapters")
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor: no version counter (it cannot be changed outside inference mode)
+        version = -1
+    return id(t), t.data_ptr(), version, t.dtype, t.device, tuple(t.shape)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple:
+    """A value equal between two calls exactly when nothing above changed in between (compare with ==)."""
+    parts: list = [model.training]
+    for module in model.modules():
+        for tensor in module._parameters.values():
+            if tensor is not None:
+                parts.append(_tensor_key(tensor))
+        for tensor in module._buffers.values():
+            if tensor is not None:
+                parts.append(_tensor_key(tensor))
+        state = module.__dict__
+        for name in ADAPTER_STATE:
+            if name in state:
+                parts.append((name, repr(state[name])))
+    return tuple(parts)

@@ -1,0 +1,87 @@
+"""What the start-up check (model/probe.py) must catch, and trocr: a decoder whose own positions count the left padding
+of HF's padded batch (its position embedding counts from the cache length, and its forward takes no position ids)."""
+import pytest
+import torch
+
+import hf_paged.model.paged_forward as paged_forward
+from hf_paged import LLM, SamplingParams
+from hf_paged.model.probe import counts_padding
+from hf_paged.tiny import tiny_model
+
+from conftest import left_padded_batch
+
+GREEDY = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+
+
+def tiny_trocr(**overrides):
+    """A tiny TrOCR decoder whose greedy tokens depend on positions: untied head, weights large enough (the census's
+    tied 0.02-std one only repeats the last prompt token, so no difference in positions ever showed)."""
+    from transformers import TrOCRConfig, TrOCRForCausalLM
+
+    config = TrOCRConfig(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, vocab_size=256,
+                         max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False, init_std=0.5, **overrides)
+    torch.manual_seed(0)
+    return TrOCRForCausalLM(config).eval()
+
+
+def test_trocr_left_padded_batch_is_token_identical_to_hf(one_torch_thread):
+    """HF's trocr numbers a padded row's tokens from the first pad; the engine serves each prompt at positions 0..,
+    which gave other tokens for every padded row. Such a batch now runs HF's own loop (on a PagedCache)."""
+    model = tiny_trocr()
+    ids, mask = left_padded_batch([9, 3, 6, 12], seed=1)
+    want = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(model.generate(ids, attention_mask=mask, cache_implementation="paged", **GREEDY), want)
+
+
+def test_trocr_unpadded_prompts_are_served_by_the_engine_exactly(one_torch_thread):
+    model = tiny_trocr()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    got = LLM(model).generate(prompts, SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0),
+                              use_tqdm=False)
+    for prompt, out in zip(prompts, got):
+        ids = torch.tensor([prompt])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                              do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == want
+
+
+def test_trocr_with_positions_from_its_token_ids_is_refused_naming_it():
+    """The sinusoidal variant numbers tokens from the (packed) token ids themselves: refused, saying which module."""
+    with pytest.raises(ValueError, match=r"'trocr'.*TrOCRSinusoidalPositionalEmbedding computes positions itself"):
+        LLM(tiny_trocr(use_learned_position_embeddings=False))
+
+
+def test_counts_padding_tells_models_that_number_the_padding():
+    assert counts_padding(tiny_trocr())
+    assert not counts_padding(tiny_model("llama"))  # its positions come from the mask (HF's generate passes them)
+
+
+def _biogpt():
+    import transformers as tf
+
+    config = tf.BioGptConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=128, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_the_check_catches_positions_wrong_only_after_cached_context(monkeypatch, one_torch_thread):
+    """Positions that are right for a prefill from position 0 and for a one-token decode, but count a chunk of
+    several tokens after cached context from 0 (as a module counting from a cache length of 0 would): chunked
+    prefill would be silently wrong. The check's steps include such chunks, so the model is refused."""
+    right = paged_forward.sequence_positions
+
+    def chunk_blind(metadata):
+        cu = metadata.cu_seqlens_q.long()
+        query_lens = cu[1:] - cu[:-1]
+        rows = metadata.slot_mapping.shape[0]
+        within = torch.arange(rows, device=cu.device) - cu[:-1].repeat_interleave(query_lens)
+        return torch.where(query_lens.repeat_interleave(query_lens) > 1, within, right(metadata))
+
+    model = _biogpt()  # its learned position embedding takes the engine's positions (paged_forward.position_takers)
+    LLM(model)  # served as it is
+    model.__dict__.pop("_hf_paged_probe", None)
+    monkeypatch.setattr(paged_forward, "sequence_positions", chunk_blind)
+    with pytest.raises(ValueError, match="'biogpt'.*does not reproduce"):
+        LLM(model)

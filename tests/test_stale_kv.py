@@ -1,0 +1,113 @@
+"""Cached K/V is keyed by everything that produced it: a persistent LLM never serves a prefix computed before the
+model's weights, buffers or adapters changed (optimizer steps, load_state_dict, adapter switches), and
+`reset_prefix_cache` covers what it cannot see."""
+import pytest
+import torch
+
+from hf_paged import LLM, SamplingParams
+from hf_paged.tiny import tiny_model
+
+SYSTEM = list(range(30, 62))  # a shared "system prompt": four full blocks of 8
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def prompts(k):
+    return [SYSTEM + [70 + k, 71 + k], SYSTEM + [90 + k]]
+
+
+def fresh_tokens(model, batch):
+    """What an engine that never saw the old weights gives."""
+    return [o.token_ids for o in LLM(model, block_size=8).generate(batch, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture
+def model():
+    return tiny_model("llama", seed=3)
+
+
+def serve(llm, batch):
+    outs = llm.generate(batch, PARAMS, use_tqdm=False)
+    return [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def test_an_optimizer_step_invalidates_cached_prefixes(model):
+    llm = LLM(model, block_size=8)
+    serve(llm, prompts(0))
+    _, cached = serve(llm, prompts(1))
+    assert cached[0] == 32, "the shared prefix was not reused before the change: the test tests nothing"
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    ids = torch.tensor([SYSTEM + [5, 6]])
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    tokens, cached = serve(llm, prompts(2))
+    assert tokens == fresh_tokens(model, prompts(2))
+    assert cached[0] == 0
+    _, cached = serve(llm, prompts(3))
+    assert cached[0] == 32  # reuse resumes under the new weights
+
+
+def test_load_state_dict_invalidates_cached_prefixes(model):
+    other = tiny_model("llama", seed=4)
+    llm = LLM(model, block_size=8)
+    serve(llm, prompts(0))
+    model.load_state_dict(other.state_dict())
+    tokens, cached = serve(llm, prompts(1))
+    assert tokens == fresh_tokens(other, prompts(1)) and cached[0] == 0
+
+
+class SwitchableAdapter(torch.nn.Module):
+    """Stands in for a PEFT LoRA layer: a base linear plus a delta, off while `_disable_adapters` is set."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base_layer = base
+        self.delta = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+        torch.nn.init.normal_(self.delta.weight, std=0.5)
+        self._disable_adapters = False
+
+    def forward(self, x):
+        out = self.base_layer(x)
+        return out if self._disable_adapters else out + self.delta(x)
+
+
+def test_switching_an_adapter_off_invalidates_cached_prefixes(model):
+    layer = model.model.layers[0].mlp
+    layer.down_proj = SwitchableAdapter(layer.down_proj)
+    llm = LLM(model, block_size=8)
+    with_adapter = serve(llm, prompts(0))[0]
+    layer.down_proj._disable_adapters = True
+    tokens, cached = serve(llm, prompts(0))
+    assert cached[0] == 0 and tokens == fresh_tokens(model, prompts(0))
+    assert tokens != with_adapter, "the adapter changes nothing: the test tests nothing"
+    layer.down_proj._disable_adapters = False
+    tokens, cached = serve(llm, prompts(0))
+    assert cached[0] == 0 and tokens == with_adapter
+
+
+def test_reset_prefix_cache_covers_writes_it_cannot_see(model):
+    llm = LLM(model, block_size=8)
+    serve(llm, prompts(0))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.data.mul_(-1.0)  # through .data: no version bump
+    llm.reset_prefix_cache()
+    tokens, cached = serve(llm, prompts(1))
+    assert cached[0] == 0 and tokens == fresh_tokens(model, prompts(1))
+    llm.engine.check_idle()
+
+
+def test_a_request_queued_before_the_change_uses_the_new_weights(model):
+    """Block keys computed while a request waited (under the old weights) are dropped with the change."""
+    llm = LLM(model, block_size=8, max_num_seqs=1)
+    serve(llm, prompts(0))
+    ids = [llm.add_request(p, PARAMS) for p in prompts(1)]
+    llm.step()  # the first is admitted (a prefix hit), the second waits with its keys computed
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    done = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                done[out.request_id] = (out.token_ids, out.num_cached_tokens)
+    assert done[ids[1]][0] == fresh_tokens(model, [prompts(1)[1]])[0]

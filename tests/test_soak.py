@@ -1,5 +1,7 @@
-"""The soak test (benchmarks/soak.py) in CI size: the same code path, a few rounds, zero violations; the reproducers of
-the bugs it found; and proof that its checks catch a broken engine."""
+"""The soak test (benchmarks/soak.py) in CI size: the same code path, a few rounds, zero violations (also with each
+extra mode: faults, consumers, weight changes, fp8); the reproducers of the bugs it found; and proof that its checks
+catch a broken engine."""
+import ast
 import importlib.util
 import random
 import sys
@@ -25,6 +27,7 @@ def load_soak():
 
 
 soak = load_soak()
+soak_faults = sys.modules["soak_faults"]  # beside soak.py, imported by it
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -103,6 +106,43 @@ def test_swap_out_in_the_step_that_copied_on_write(model):
     llm.engine.check_idle()
 
 
+@pytest.mark.xfail(strict=True, reason="ENGINE BUG found by the soak with --faults (not fixed here): a rolled-back "
+                                       "step's distrust_tail marks a block still shared by forks as not clean; when it "
+                                       "is copied on write and handed out again in one step, KVMemory.apply clears it "
+                                       "before the copy reads it")
+def test_copy_on_write_from_a_block_distrusted_by_a_rollback(model):
+    """Found by the soak (seed 7 with --all, round 16: a fault at SwapPool.allocate, then sample 0 of an n=4 greedy
+    prompt differed at its second token). A's two samples share their partial block 2 after the fork. Step 2 fails
+    (here: before `schedule` runs) and is rolled back; `rollback` calls `distrust_tail` on every running request, which
+    marks block 2 (their next slot) as not clean although both still hold it. Redone, step 2 copies block 2 to 5 for
+    sample 0 (copy-on-write), Y needs a block, sample 1 is preempted, block 2 becomes free and is handed to Y; as not
+    clean it is cleared, and `KVMemory.apply` clears before it copies: sample 0's copy holds zeros."""
+    a, y = [5, 6, 7, 8, 9, 10], [20, 21, 22, 23, 24, 25, 26, 27]
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=n) for n in (2, 1)]
+    llm = LLM(model, block_size=4, num_blocks=5, preemption_mode="recompute", attention_backend="torch")
+    llm.add_request(a, params[0], request_id="A", priority=1)
+    llm.add_request(y, params[1], request_id="Y", priority=0)
+    original, calls = Scheduler.schedule, [0]
+
+    def schedule(self):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return original(self)
+
+    ended = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "schedule", schedule)
+        while llm.has_unfinished_requests():
+            try:
+                outs = llm.step()
+            except KeyboardInterrupt:
+                continue
+            ended.update({(o.request_id, c.index): c.token_ids for o in outs for c in o.outputs if c.finish_reason})
+    llm.engine.check_idle()
+    assert [[ended[("A", 0)], ended[("A", 1)]], [ended[("Y", 0)]]] == unpressured(model, [a, y], params)
+
+
 # ---- the soak's checks catch a broken engine -------------------------------------------------------------------
 def corrupt_preempted_tokens(monkeypatch):
     """A preempted request's next tokens change (as if its K/V were restored wrongly)."""
@@ -148,3 +188,72 @@ def test_the_soak_catches(model, monkeypatch, breakage, kinds):
     breakage(monkeypatch)
     report = soak.run_soak(requests=150, seed=11, model=model)
     assert sum(report[kind] for kind in kinds) > 0, report
+
+
+# ---- the extra modes ------------------------------------------------------------------------------------------------
+def test_the_fault_points_are_the_step_matrix():
+    """The soak injects faults at the points tests/test_step_atomic.py proves atomic (a copy: benchmarks do not import
+    tests), and each one names a callable that exists."""
+    tree = ast.parse((Path(__file__).parent / "test_step_atomic.py").read_text())
+    points = next(ast.literal_eval(node.value) for node in tree.body
+                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "POINTS")
+    assert soak_faults.POINTS == points
+    for module_name, path in points:
+        owner = importlib.import_module(module_name)
+        for name in path.split("."):
+            owner = getattr(owner, name)
+
+
+MODES = {"faults": (dict(faults=True), "faults"), "consumers": (dict(consumers=4), "consumers"),
+         "weight_changes": (dict(weight_changes=True), "session"), "fp8": (dict(fp8=True), "fp8")}
+
+
+def run_mode(model, monkeypatch, mode, requests=220, seed=12):
+    """A soak whose every round takes `mode` (where it can: faults in stream rounds only)."""
+    options, rate = MODES[mode]
+    monkeypatch.setitem(soak.RATES, rate, 1.0)
+    return soak.run_soak(requests=requests, seed=seed, model=model, **options)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_soak_with_an_extra_mode_has_no_violations(model, monkeypatch, mode):
+    report = run_mode(model, monkeypatch, mode)
+    assert report["violations"] == []
+    assert all(report[k] == 0 for k in soak.VIOLATION_COUNTS), report
+    assert report["compared"] > 100, report
+    if mode == "faults":
+        assert report["fault_rounds"] > 0 and report["faults_hit"] > 0, report
+    elif mode == "consumers":
+        assert report["consumer_rounds"] > 0, report
+    elif mode == "weight_changes":
+        assert report["weight_changes"] > 0 and report["weight_rounds"] > report["weight_changes"], report
+    else:
+        assert report["fp8_rounds"] > 0, report
+
+
+def test_the_soak_catches_a_step_that_is_not_undone(model, monkeypatch):
+    """With the step's rollback doing nothing, a failed step keeps what it did half-way: the fault rounds report it."""
+    undo = importlib.import_module("hf_paged.engine.step_undo").StepUndo \
+        if importlib.util.find_spec("hf_paged.engine.step_undo") else Scheduler  # where `rollback` lives
+    monkeypatch.setattr(undo, "rollback", lambda self: None)
+    report = run_mode(model, monkeypatch, "faults")
+    assert report["faults_hit"] > 0
+    assert sum(report[k] for k in soak.VIOLATION_COUNTS) > 0, report
+
+
+def test_the_soak_catches_stale_prefix_hits_after_weight_changes(model, monkeypatch):
+    """An engine that keys its cached K/V by tokens only (not by the weights that produced them) serves the old
+    weights' K/V to the next round's shared prompts."""
+    from hf_paged.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "kv_context", lambda self: ())
+    monkeypatch.setattr(Engine, "reset_prefix_cache", lambda self: None)
+    report = run_mode(model, monkeypatch, "weight_changes")
+    assert report["weight_changes"] > 0 and report["mismatches"] > 0, report
+
+
+def test_the_soak_catches_results_handed_to_another_consumer(model, monkeypatch):
+    """`step()` callers given the requests of generate / stream calls as well."""
+    monkeypatch.setattr(LLM, "_unclaimed", lambda self, request_id: True)
+    report = run_mode(model, monkeypatch, "consumers")
+    assert report["consumer_rounds"] > 0 and report["foreign"] + report["exceptions"] > 0, report

@@ -111,3 +111,23 @@ def test_a_request_queued_before_the_change_uses_the_new_weights(model):
             if out.finished:
                 done[out.request_id] = (out.token_ids, out.num_cached_tokens)
     assert done[ids[1]][0] == fresh_tokens(model, [prompts(1)[1]])[0]
+
+
+def test_the_fingerprint_sees_replaced_moved_and_cast_tensors(model):
+    from hf_paged.model.fingerprint import weights_fingerprint
+
+    before = weights_fingerprint(model)
+    assert weights_fingerprint(model) == before
+    layer = model.model.layers[0].mlp.up_proj
+    old = layer.weight
+    layer.weight = torch.nn.Parameter(old.detach().clone())  # the old one is still alive: compared by identity
+    assert weights_fingerprint(model) != before
+    again = weights_fingerprint(model)
+    layer.weight.data = layer.weight.data.clone()  # new storage through .data
+    assert weights_fingerprint(model) != again
+    again = weights_fingerprint(model)
+    model.model.layers[0].post_attention_layernorm.to(torch.float64)
+    assert weights_fingerprint(model) != again
+    again = weights_fingerprint(model)
+    model.train()
+    assert weights_fingerprint(model) != again

@@ -79,8 +79,8 @@ def test_a_stop_string_only_before_min_tokens_does_not_stop(llama):
     exactly `min_tokens`, with the text cut at that early occurrence: empty)."""
     tokenizer = LetterTokenizer()
     tokens, text = free_text(llama, tokenizer, 40)
-    at = next(p for p in range(1, 20) if " " not in text[p:p + 3] and text.count(text[p:p + 3]) == 1)
-    params = SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0, ignore_eos=True, stop=[text[at:at + 3]])
+    at = next(p for p in range(5, 30) if " " not in text[p:p + 3] and text.count(text[p:p + 3]) == 1)
+    params = SamplingParams(max_tokens=40, min_tokens=at + 4, temperature=0.0, ignore_eos=True, stop=[text[at:at + 3]])
     out = LLM(llama, tokenizer=tokenizer).generate([[5, 6, 7]], params, use_tqdm=False)[0]
     assert out.finish_reason == "length"
     assert out.token_ids == tokens and out.text == text

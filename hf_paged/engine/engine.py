@@ -181,10 +181,10 @@ class Engine:
         it, and the error propagates; stepping on gives the tokens an undisturbed run gives."""
         with self.lock:
             scheduler = self.scheduler
-            if self.config.enable_prefix_caching and scheduler.waiting:  # cached K/V is found only by what made it
+            if self.config.enable_prefix_caching:  # K/V computed from now on are found only by what computes them
                 scheduler.set_context(self.kv_context())
             rng = self.sampler.generator.get_state()
-            scheduler.begin()
+            scheduler.undo.begin()
             try:
                 plan = scheduler.schedule()
                 if not plan.requests:
@@ -201,9 +201,9 @@ class Engine:
                         request_id = request.group.request_id
                         dirty[request_id] = dirty.get(request_id, frozenset()) | {request.sample_index}
                     self.dirty = dirty  # before the commit: a failure between them leaves a mark, never loses one
-                scheduler.commit()
+                scheduler.undo.commit()
             except BaseException:
-                scheduler.rollback()
+                scheduler.undo.rollback()
                 self.sampler.generator.set_state(rng)
                 raise
             return changed

@@ -14,6 +14,7 @@ from ..kv import NULL_BLOCK, KVCacheManager, blocks_needed, released_prefix
 from ..kv.swap import SwapPool
 from ..request import Request, RequestStatus, apply_stop_rules
 from .plan import PreemptionCosts, StepOutcome, StepPlan
+from .step_undo import StepUndo
 
 COUNTERS = ("num_steps", "num_prompt_tokens", "num_generated_tokens", "num_batched_tokens", "num_finished",
             "num_errors", "num_preemptions", "num_recomputed_tokens", "num_swap_outs", "num_swap_ins",
@@ -49,8 +50,7 @@ class Scheduler:
         # the sliding window every layer of the model applies (None: not one for all): a running request's blocks
         # wholly behind it go back to the pool before each step
         self.release_window: int | None = None
-        self._saved: tuple | None = None  # while a step runs: the queues, counters and rate as they were (`begin`)
-        self._touched: dict[int, tuple[Request, tuple]] | None = None  # requests changed this step, as they were
+        self.undo = StepUndo(self)  # a step is all or nothing: `undo.begin / commit / rollback` around it
 
     @property
     def has_work(self) -> bool:
@@ -75,56 +75,7 @@ class Scheduler:
                     request.block_hashes = []
                     request.num_published_blocks = 0
 
-    # ---- all or nothing -----------------------------------------------------------------------------------
-    def begin(self) -> None:
-        """Start a step. Until `commit`, `rollback` puts back every request the step changed, the queues, the counters,
-        the KV manager (block pool included) and the swap space exactly as they are now."""
-        self._saved = (list(self.waiting), list(self.running), dict(self.counters), self.costs.prefill_tokens_per_s)
-        self._touched = {}
-        self.kv.begin()
-        if self.swap is not None:
-            self.swap.begin()
-
-    def commit(self) -> None:
-        """The step succeeded: keep all it changed."""
-        self._saved = self._touched = None
-        self.kv.commit()
-        if self.swap is not None:
-            self.swap.commit()
-
-    def rollback(self) -> None:
-        """The step failed somewhere (Exception or BaseException, in any of its four calls): undo it. Blocks handed
-        out during the step may have been written (cleared, copied into, swapped into, by the forward pass), so a
-        request that held one before the step and holds it again now (it was freed and handed out again in the step)
-        is recomputed from its tokens; its results are unchanged."""
-        if self._saved is None:
-            return
-        waiting, running, counters, rate = self._saved
-        touched = self._touched
-        self._saved = self._touched = None
-        self.waiting.clear()
-        self.waiting.extend(waiting)
-        self.running[:] = running
-        self.counters.clear()
-        self.counters.update(counters)
-        self.costs.prefill_tokens_per_s = rate
-        for request, saved in touched.values():
-            request.restore(saved)
-        if self.swap is not None:
-            self.swap.rollback()
-        written = self.kv.rollback()
-        for request in list(self.running):
-            if any(block in written for block in request.block_table):
-                self._recompute(request)
-            else:  # the forward pass may have written past its computed tokens: that block is cleared when reused
-                self.kv.distrust_tail(request)
-
-    def _touch(self, request: Request) -> None:
-        """Called before a step changes `request` (see `rollback`)."""
-        if self._touched is not None and id(request) not in self._touched:
-            self._touched[id(request)] = (request, request.snapshot())
-
-    def _recompute(self, request: Request) -> None:
+    def recompute(self, request: Request) -> None:
         """Preempt a running request by recompute (outside any plan)."""
         self.running.remove(request)
         self.counters["num_recomputed_tokens"] += request.num_computed_tokens
@@ -145,7 +96,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            self._touch(request)
+            self.undo.touch(request)
             if self.release_window:  # its next query (at num_computed_tokens) sees no slot behind this one
                 self.counters["num_blocks_released"] += self.kv.release_behind(
                     request, request.num_computed_tokens - self.release_window + 1)
@@ -244,7 +195,7 @@ class Scheduler:
         """Free the request's device blocks: the blocks holding its computed K/V go to host swap space, or its
         tokens are recomputed later. Swap copies run before this step's forward pass touches the freed blocks.
         Returns the tokens given back to the step's budget (the request may already have been placed)."""
-        self._touch(request)
+        self.undo.touch(request)
         self.running.remove(request)
         returned = plan.remove(request)
         computed = blocks_needed(request.num_computed_tokens, self.kv.block_size)
@@ -289,7 +240,7 @@ class Scheduler:
         position = 0
         while position < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[position]
-            self._touch(request)
+            self.undo.touch(request)
             if request.status is not RequestStatus.SWAPPED and self._prefix_in_flight(request):
                 position += 1
                 continue
@@ -358,7 +309,7 @@ class Scheduler:
             if request.forks and request.num_output_tokens == 0:
                 for child in request.forks:
                     if not child.is_finished:
-                        self._touch(child)
+                        self.undo.touch(child)
                         plan.forks.append((request, child))
                         plan.sampled.append(child)
                         plan.sample_sources.append(i)
@@ -382,7 +333,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Release a finished request's memory, wherever it is."""
-        self._touch(request)
+        self.undo.touch(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -1,0 +1,72 @@
+"""A step is all or nothing: what the scheduler's step changed, and how to put it back if the step fails."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..request import Request
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+class StepUndo:
+    """`begin` before a step's four calls (schedule, block moves, run, update), `commit` after they all succeeded,
+    `rollback` if any raised (Exception or BaseException): the scheduler's queues, counters and measured rate, every
+    request the step touched (`Request.snapshot`, taken on the first change: the scheduler calls `touch` before it
+    changes a request), the KV manager with its block pool (an undo journal) and the swap space's free list are put
+    back exactly as they were at `begin`.
+
+    Device memory cannot be put back: blocks handed out during the failed step may have been cleared, copied into,
+    swapped into or written by the forward pass. They leave the prefix map and count as not clean (`kv.rollback`);
+    a request that held one before the step (it was freed and handed out again within it) is recomputed from its
+    tokens, and the block holding a running request's next slot is cleared before its next use elsewhere.
+    """
+
+    def __init__(self, scheduler: "Scheduler"):
+        self.scheduler = scheduler
+        self._saved: tuple | None = None  # the queues, counters and rate as they were
+        self._touched: dict[int, tuple[Request, tuple]] | None = None  # requests changed this step, as they were
+
+    def begin(self) -> None:
+        s = self.scheduler
+        self._saved = (list(s.waiting), list(s.running), dict(s.counters), s.costs.prefill_tokens_per_s)
+        self._touched = {}
+        s.kv.begin()
+        if s.swap is not None:
+            s.swap.begin()
+
+    def touch(self, request: Request) -> None:
+        """Called before a step changes `request`."""
+        if self._touched is not None and id(request) not in self._touched:
+            self._touched[id(request)] = (request, request.snapshot())
+
+    def commit(self) -> None:
+        s = self.scheduler
+        self._saved = self._touched = None
+        s.kv.commit()
+        if s.swap is not None:
+            s.swap.commit()
+
+    def rollback(self) -> None:
+        if self._saved is None:
+            return
+        s = self.scheduler
+        waiting, running, counters, rate = self._saved
+        touched = self._touched
+        self._saved = self._touched = None
+        s.waiting.clear()
+        s.waiting.extend(waiting)
+        s.running[:] = running
+        s.counters.clear()
+        s.counters.update(counters)
+        s.costs.prefill_tokens_per_s = rate
+        for request, saved in touched.values():
+            request.restore(saved)
+        if s.swap is not None:
+            s.swap.rollback()
+        written = s.kv.rollback()
+        for request in list(s.running):
+            if any(block in written for block in request.block_table):
+                s.recompute(request)
+            else:  # the forward pass may have written past its computed tokens: that block is cleared when reused
+                s.kv.distrust_tail(request)

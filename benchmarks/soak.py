@@ -25,6 +25,12 @@ Checked every round (any failure is a violation; the script exits 1 if there was
   NEAR_TIE of each other, recomputed by a plain forward of the model. A different batch, chunk or prefix hit sums
   the same dot products in another order (logits move by ~1e-7), so one token in ~1e5 flips where the race was
   tied to the last bit. Such flips are counted (`near_ties`), and more than 1 + compared / 10,000 is a violation.
+
+Extra modes (off by default; `--all`: all, with 4 consumers), each in some rounds, combinable (soak_faults.py):
+`--faults` (failures injected into steps, caught, stepped on: a step is all or nothing, so every check holds),
+`--consumers N` (N threads on one LLM through generate / stream / step loop / astream, each gets exactly its own
+results), `--weight-changes` (sessions of rounds on one LLM whose weights change in place between rounds; compared
+with a fresh reference per weight version) and `--fp8` (fp8 KV caches, compared with an unpressured fp8 engine).
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ import json
 import random
 import resource
 import sys
+import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,16 +56,21 @@ from hf_paged.sampling import _penalize, _truncate
 from hf_paged.tiny import tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # soak_draw.py beside this file, however it is loaded
-from soak_draw import EOS, MAX_LEN, SYSTEM_LENGTHS, VOCAB, Spec, draw_engine, draw_round  # noqa: E402
+from soak_draw import EOS, MAX_LEN, SYSTEM_LENGTHS, VOCAB, Spec, check_tokens, draw_engine, draw_round  # noqa: E402
+from soak_faults import Context, Faults, finish_event, run_consumers, split_consumers, start_session  # noqa: E402
 
 COUNTS = ("rounds", "requests", "samples", "stream_rounds", "batch_rounds", "aborts", "aborts_running",
           "aborts_preempted", "aborts_swapped", "compared", "steps",
           "preemptions", "swap_outs", "swap_ins", "recomputed_tokens", "prefix_hit_tokens", "generated_tokens",
-          "near_ties", "mismatches", "errors", "lost", "duplicated", "bad_lengths", "leaks", "exceptions")
+          "fault_rounds", "faults_injected", "faults_hit", "consumer_rounds", "weight_rounds", "weight_changes",
+          "fp8_rounds", "near_ties", "mismatches", "errors", "lost", "duplicated", "foreign", "bad_lengths", "leaks",
+          "exceptions")
 # a flip is forgiven when the two tokens' decision values differ by less than this: greedy, in logits (absolute);
 # seeded sampling, in the race value p / E (relative). Rounding moves them by ~1e-7.
 NEAR_TIE = {"greedy": 1e-4, "sampled": 1e-5}
 NEAR_TIES_PER = 10_000  # compared samples per forgiven flip (plus one)
+# how often a round takes each extra mode that is on ("session": a weight-change session starts when none runs)
+RATES = {"fp8": 0.35, "consumers": 0.35, "session": 0.4, "faults": 0.6}
 
 
 @dataclass
@@ -65,11 +78,14 @@ class Soak:
     seed: int = 0
     counts: dict = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
     violations: list[str] = field(default_factory=list)
+    fault_points: Counter = field(default_factory=Counter)  # "point when error" of each injected fault that fired
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # consumers report from their threads
 
     def violate(self, kind: str, message: str) -> None:
-        self.counts[kind] += 1
-        if len(self.violations) < 50:
-            self.violations.append(message)
+        with self.lock:
+            self.counts[kind] += 1
+            if len(self.violations) < 50:
+                self.violations.append(message)
 
 
 def rss_mb() -> float:
@@ -82,17 +98,9 @@ def peak_rss_mb() -> float:
 
 
 # ---- running a round --------------------------------------------------------------------------------------------
-def finish_event(soak: Soak, ended: dict, spec: Spec, completion, aborted: set) -> None:
-    key = (spec.rid, completion.index)
-    if spec.rid in aborted:
-        soak.violate("duplicated", f"{key} finished after its abort")
-    elif key in ended:
-        soak.violate("duplicated", f"{key} finished twice")
-    ended[key] = completion
-
-
-def run_stream(soak: Soak, llm: LLM, specs: list[Spec], rng: random.Random) -> tuple[dict, set]:
-    """add_request / step / abort, with a few new requests before each step."""
+def run_stream(soak: Soak, llm: LLM, specs: list[Spec], rng: random.Random, faults: Faults | None = None
+               ) -> tuple[dict, set]:
+    """add_request / step / abort, with a few new requests before each step (`faults`: their steps may fail)."""
     by_id = {s.rid: s for s in specs}
     pending, live, ended, aborted, added_at, received = list(specs), {}, {}, set(), {}, {}
     step = 0
@@ -118,8 +126,11 @@ def run_stream(soak: Soak, llm: LLM, specs: list[Spec], rng: random.Random) -> t
                 del live[rid]
         if not llm.has_unfinished_requests():
             continue
-        for out in llm.step():
-            spec = by_id[out.request_id]
+        for out in faults.step(llm, step) if faults is not None else llm.step():
+            spec = by_id.get(out.request_id)
+            if spec is None:
+                soak.violate("foreign", f"step() returned {out.request_id}, a request of another caller")
+                continue
             received[spec.rid] = received.get(spec.rid, 0) + 1
             for completion in out.outputs:
                 if completion.finish_reason is not None:
@@ -146,46 +157,64 @@ def run_batch(soak: Soak, llm: LLM, specs: list[Spec]) -> tuple[dict, set]:
     return ended, set()
 
 
-def check_tokens(soak: Soak, spec: Spec, completion) -> None:
-    """The right number of tokens, or the first stop."""
-    p, tokens, reason = spec.params, completion.token_ids, completion.finish_reason
-    if reason == "error":
-        soak.violate("errors", f"{spec.rid}/{completion.index} ended with an error: {completion.error}")
-        return
-    stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS})
-    early = [i for i, t in enumerate(tokens[:-1]) if t in stops and i + 1 >= p.min_tokens]
-    if reason == "length":
-        ok = len(tokens) == p.max_tokens or len(spec.prompt) + len(tokens) == MAX_LEN
-    else:
-        ok = reason == "stop" and tokens and tokens[-1] in stops and p.min_tokens <= len(tokens) <= p.max_tokens
-    if not ok or early:
-        soak.violate("bad_lengths", f"{spec.rid}/{completion.index}: {reason!r} after {len(tokens)} tokens "
-                                    f"(max_tokens {p.max_tokens}, min_tokens {p.min_tokens}, early stops {early})")
-
-
-def run_round(soak: Soak, model, reference: LLM, number: int, systems, size: int) -> None:
+def run_round(soak: Soak, ctx: Context, number: int, systems, size: int) -> None:
     # each round draws from its own generator: "auto" rounds decide swap vs recompute from measured timings, so
     # how many steps (and arrival draws) a round takes may vary, and must not change the rounds after it
     rng = random.Random(f"{soak.seed}/{number}")
     specs = draw_round(rng, systems, number, size)
-    options = draw_engine(rng, model, number, specs)
-    llm = LLM(model, **options)
+    options = draw_engine(rng, ctx.model, number, specs)
+    extra = random.Random(f"{soak.seed}/{number}/modes")  # the extra modes' draws (none unless one is on)
+    fp8 = ctx.fp8 and extra.random() < RATES["fp8"]
+    consumers = ctx.consumers > 1 and extra.random() < RATES["consumers"]
+    if ctx.weight_changes and ctx.session is None and extra.random() < RATES["session"]:
+        ctx.session = start_session(ctx.model, options, fp8, extra.randint(3, 6))
+    session, model = ctx.session, ctx.model
+    if session is not None:
+        specs = session.begin_round(soak, extra, reference_engine, number) + specs
+        model, llm, reference, fp8 = session.model, session.llm, session.reference, session.fp8
+        options = dict(session.options, weights=f"version {session.rounds} ({session.change})")
+    else:
+        if fp8:
+            options["kv_cache_dtype"] = "fp8_e4m3"
+        llm = LLM(model, **options)
+        if fp8 and ctx.fp8_reference is None:
+            ctx.fp8_reference = reference_engine(model, fp8=True)
+        reference = ctx.fp8_reference if fp8 else ctx.reference
+        if fp8 and llm.engine.memory.cache.kv_scales != reference.engine.memory.cache.kv_scales:
+            soak.violate("mismatches", f"round {number}: fp8 scales differ from the reference engine's ({options})")
+    soak.counts["fp8_rounds"] += fp8
+    before = llm.stats()
     stream = rng.random() < 0.75
-    soak.counts["stream_rounds" if stream else "batch_rounds"] += 1
-    if not stream:  # nothing to abort through generate()
+    faults = None
+    if ctx.faults and stream and not consumers and extra.random() < RATES["faults"]:
+        faults = Faults.draw(extra)
+    soak.counts["consumer_rounds" if consumers else "stream_rounds" if stream else "batch_rounds"] += 1
+    if not stream and not consumers:  # nothing to abort through generate()
         specs = [s for s in specs if s.abort_when is None] or specs[:1]
-    ended, aborted = run_stream(soak, llm, specs, rng) if stream else run_batch(soak, llm, specs)
+    try:
+        if consumers:
+            shares = split_consumers(extra, specs, ctx.consumers)
+            specs = [spec for _, share in shares for spec in share]
+            step_rng = random.Random(f"{soak.seed}/{number}/step")
+            ended, aborted = run_consumers(soak, llm, shares, lambda llm, specs: run_stream(soak, llm, specs, step_rng))
+        elif stream:
+            ended, aborted = run_stream(soak, llm, specs, rng, faults)
+        else:
+            ended, aborted = run_batch(soak, llm, specs)
+    finally:
+        if faults is not None:  # the faults that fired are named in this round's violations
+            options = dict(options, faults=faults.finish(soak))
     try:
         llm.engine.check_idle()
-        if llm.engine.groups:
-            raise AssertionError(f"{len(llm.engine.groups)} request groups left behind")
+        if llm.engine.groups or llm.engine.dirty:
+            raise AssertionError(f"{len(llm.engine.groups)} request groups, {len(llm.engine.dirty)} marks left behind")
     except AssertionError as e:
         soak.violate("leaks", f"round {number} ({options}): {e}")
     stats = llm.stats()
     for name, key in (("steps", "num_steps"), ("preemptions", "num_preemptions"), ("swap_outs", "num_swap_outs"),
                       ("swap_ins", "num_swap_ins"), ("recomputed_tokens", "num_recomputed_tokens"),
                       ("prefix_hit_tokens", "prefix_cache_hit_tokens"), ("generated_tokens", "num_generated_tokens")):
-        soak.counts[name] += stats[key]
+        soak.counts[name] += stats[key] - before[key]
     soak.counts["requests"] += len(specs)
     soak.counts["samples"] += sum(s.params.n for s in specs)
     done = [s for s in specs if s.rid not in aborted]
@@ -197,6 +226,9 @@ def run_round(soak: Soak, model, reference: LLM, number: int, systems, size: int
                 check_tokens(soak, spec, ended[(spec.rid, i)])
     compare(soak, reference, done, ended, options, model)
     soak.counts["rounds"] += 1
+    if session is not None:
+        session.end_round(done)
+        ctx.session = ctx.session if session.rounds < session.length else None
 
 
 def flip_gap(model, spec: Spec, index: int, before: list[int], tokens: tuple[int, int]) -> tuple[float, float]:
@@ -252,23 +284,28 @@ def compare(soak: Soak, reference: LLM, specs: list[Spec], ended: dict, options:
                                            f"{len(spec.prompt)} tokens, {spec.params}; engine {options})")
 
 
-def reference_engine(model) -> LLM:
+def reference_engine(model, fp8: bool = False, scales=None) -> LLM:
     """Big pool, every request admitted at once, no chunking: nothing is ever preempted, and every block is kept
-    (also on a sliding-window model, whose soaked engines give back the blocks behind the window)."""
+    (also on a sliding-window model, whose soaked engines give back the blocks behind the window). `fp8`: an fp8
+    cache with scales calibrated as every engine of the model does; `scales`: with these (None: unquantized)."""
+    fp8 = dict(kv_cache_dtype="fp8_e4m3", kv_scales=scales) if fp8 or scales is not None else {}
     llm = LLM(model, block_size=16, num_blocks=12000, max_num_seqs=512, max_num_batched_tokens=1 << 17,
-              enable_chunked_prefill=False, preemption_mode="recompute", attention_backend="torch")
+              enable_chunked_prefill=False, preemption_mode="recompute", attention_backend="torch", **fp8)
     llm.engine.scheduler.release_window = None
     return llm
 
 
 def run_soak(requests: int | None = None, minutes: float | None = None, seed: int = 0, model=None,
-             log=None) -> dict:
-    """Rounds until `requests` requests were made or `minutes` passed (whichever first). Returns the report."""
+             log=None, faults: bool = False, consumers: int = 0, weight_changes: bool = False,
+             fp8: bool = False) -> dict:
+    """Rounds until `requests` requests were made or `minutes` passed (whichever first). Returns the report.
+    `faults`, `consumers`, `weight_changes`, `fp8`: the extra modes (see the module's docstring)."""
     if requests is None and minutes is None:
         requests = 1000
     rng = random.Random(seed)
     model = model if model is not None else tiny_model("llama", max_len=MAX_LEN)
     reference = reference_engine(model)
+    ctx = Context(model, reference, faults, consumers, weight_changes, fp8)
     systems = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in SYSTEM_LENGTHS]
     soak = Soak(seed)
     start = time.perf_counter()
@@ -279,8 +316,9 @@ def run_soak(requests: int | None = None, minutes: float | None = None, seed: in
         if requests is not None:
             size = min(size, requests - soak.counts["requests"])
         try:
-            run_round(soak, model, reference, soak.counts["rounds"], systems, size)
+            run_round(soak, ctx, soak.counts["rounds"], systems, size)
         except Exception as e:  # noqa: BLE001 - an engine exception is a violation; the next round starts afresh
+            ctx.session = None
             soak.violate("exceptions", f"round {soak.counts['rounds']}: {type(e).__name__}: {e}")
             soak.counts["rounds"] += 1
             soak.counts["requests"] += size
@@ -289,16 +327,18 @@ def run_soak(requests: int | None = None, minutes: float | None = None, seed: in
             log(f"round {soak.counts['rounds']}: {soak.counts['requests']} requests, "
                 f"{soak.counts['preemptions']} preemptions, {len(soak.violations)} violations, "
                 f"{time.perf_counter() - start:.0f} s, rss {rss_mb():.0f} MB")
-    try:
-        reference.engine.check_idle()
-    except AssertionError as e:
-        soak.violate("leaks", f"reference engine: {e}")
-    return {"seed": seed, **soak.counts, "violations": soak.violations,
+    for engine in (reference, ctx.fp8_reference):
+        try:
+            engine is None or engine.engine.check_idle()
+        except AssertionError as e:
+            soak.violate("leaks", f"reference engine: {e}")
+    return {"seed": seed, **soak.counts, "fault_points_hit": dict(sorted(soak.fault_points.items())),
+            "violations": soak.violations,
             "seconds": round(time.perf_counter() - start, 1), "peak_rss_mb": round(peak_rss_mb(), 1),
             "rss_after_first_round_mb": round(rss_after_first or 0.0, 1), "rss_end_mb": round(rss_mb(), 1)}
 
 
-VIOLATION_COUNTS = ("mismatches", "errors", "lost", "duplicated", "bad_lengths", "leaks", "exceptions")
+VIOLATION_COUNTS = ("mismatches", "errors", "lost", "duplicated", "foreign", "bad_lengths", "leaks", "exceptions")
 
 
 def main(argv=None) -> int:
@@ -312,14 +352,25 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=None,
                         help="soak a Mistral whose every layer has this sliding window (the engines give back the "
                              "blocks behind it) instead of the Llama")
+    parser.add_argument("--faults", action="store_true", help="inject failures into steps of some stream rounds")
+    parser.add_argument("--consumers", type=int, default=0, metavar="N",
+                        help="some rounds split their requests between N threads, each its own entry point")
+    parser.add_argument("--weight-changes", action="store_true",
+                        help="sessions of rounds on one LLM whose model's weights change in place between rounds")
+    parser.add_argument("--fp8", action="store_true", help="some rounds on fp8 KV caches (kv_cache_dtype fp8_e4m3)")
+    parser.add_argument("--all", action="store_true", help="every extra mode (--consumers 4 unless given)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
+    if args.all:
+        args.faults = args.weight_changes = args.fp8 = True
+        args.consumers = args.consumers or 4
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     model = tiny_model("mistral", max_len=MAX_LEN, sliding_window=args.window) if args.window else None
-    report = run_soak(args.requests, args.minutes, args.seed, model=model, log=None if args.json else print)
+    report = run_soak(args.requests, args.minutes, args.seed, model=model, log=None if args.json else print,
+                      faults=args.faults, consumers=args.consumers, weight_changes=args.weight_changes, fp8=args.fp8)
     failed = sum(report[k] for k in VIOLATION_COUNTS) > 0
     if args.json:
         print(json.dumps(report, indent=2))
@@ -327,6 +378,8 @@ def main(argv=None) -> int:
         print(f"{report['requests']} requests ({report['samples']} samples) in {report['rounds']} rounds, "
               f"{report['seconds']} s, seed {report['seed']}")
         print("  " + ", ".join(f"{k} {report[k]}" for k in COUNTS if k not in ("requests", "samples", "rounds")))
+        if report["fault_points_hit"]:
+            print(f"  faults hit: {report['fault_points_hit']}")
         print(f"  peak RSS {report['peak_rss_mb']} MB (after the first round {report['rss_after_first_round_mb']} "
               f"MB, at the end {report['rss_end_mb']} MB)")
         for line in report["violations"]:

@@ -1,4 +1,5 @@
-"""What the soak test (benchmarks/soak.py) draws: random requests and the pressured engine a round runs them on."""
+"""What the soak test (benchmarks/soak.py) draws: random requests and the pressured engine a round runs them on; and
+how a drawn request must end (`check_tokens`)."""
 from __future__ import annotations
 
 import random
@@ -84,3 +85,20 @@ def draw_engine(rng: random.Random, model, number: int, specs: list[Spec]) -> di
         per_block = describe_model(model).kv.bytes_per_block(block_size)
         options["swap_space"] = per_block * rng.choice([1, biggest // 2 + 1, 4 * biggest])
     return options
+
+
+def check_tokens(soak, spec: Spec, completion) -> None:
+    """The right number of tokens, or the first stop (else a violation of the `soak`)."""
+    p, tokens, reason = spec.params, completion.token_ids, completion.finish_reason
+    if reason == "error":
+        soak.violate("errors", f"{spec.rid}/{completion.index} ended with an error: {completion.error}")
+        return
+    stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {EOS})
+    early = [i for i, t in enumerate(tokens[:-1]) if t in stops and i + 1 >= p.min_tokens]
+    if reason == "length":
+        ok = len(tokens) == p.max_tokens or len(spec.prompt) + len(tokens) == MAX_LEN
+    else:
+        ok = reason == "stop" and tokens and tokens[-1] in stops and p.min_tokens <= len(tokens) <= p.max_tokens
+    if not ok or early:
+        soak.violate("bad_lengths", f"{spec.rid}/{completion.index}: {reason!r} after {len(tokens)} tokens "
+                                    f"(max_tokens {p.max_tokens}, min_tokens {p.min_tokens}, early stops {early})")

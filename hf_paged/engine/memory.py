@@ -83,16 +83,21 @@ class KVMemory:
         return SwapPool(self.cache, int(num_blocks), swap_copy(spec.device, config.attention_backend))
 
     def apply(self, plan: StepPlan) -> None:
-        """Run the plan's block moves: save swapped-out blocks, clear newly handed-out ones, copy-on-write copies,
-        restore swapped-in ones (in that order: freed blocks may be handed out again in the same step)."""
+        """Run the plan's block moves: save swapped-out blocks, copy-on-write copies, clear newly handed-out blocks
+        (not the copies' destinations: a copy fills them whole), restore swapped-in ones. In that order: a block freed
+        in this step may be handed out again in it, so it is saved and copied from before anything overwrites it
+        (a copy's source, shared with a sample preempted in this step, may be handed out to be cleared)."""
         for device_ids, host_ids in plan.swap_out:
             self.swap.swap_out(self.cache, device_ids, host_ids)
         if plan.swap_out:
             self.swap.synchronize()
-        self.clear(plan.blocks_to_clear)
         if plan.copies:
             sources, destinations = zip(*plan.copies)
             copy_blocks(self.cache.storage, self.cache.storage, list(sources), list(destinations))
+            filled = set(destinations)
+            self.clear([b for b in plan.blocks_to_clear if b not in filled])
+        else:
+            self.clear(plan.blocks_to_clear)
         for host_ids, device_ids in plan.swap_in:
             self.swap.swap_in(self.cache, host_ids, device_ids)
         if plan.swap_in:

@@ -15,8 +15,8 @@ class StepPlan:
     request whose tokens are all computed after this step, plus the samples that fork from it (`forks`: (parent,
     child), the child starting from the parent's just-computed prompt); `sample_sources[j]` is the index in
     `requests` whose last row gives `sampled[j]` its logits. Before the forward pass the memory moves run in this
-    order: `swap_out`, `blocks_to_clear`, `copies` (copy-on-write), `swap_in` (freed blocks may be handed out again
-    in the same step).
+    order: `swap_out`, `copies` (copy-on-write), `blocks_to_clear` (less the copies' destinations), `swap_in` (freed
+    blocks may be handed out again in the same step).
     """
 
     requests: list[Request] = field(default_factory=list)

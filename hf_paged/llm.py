@@ -260,8 +260,11 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
+        seen = -1
         while pending:
-            outs = self._collect(pending.__contains__, _final)
+            marks = self.engine.finish_marks
+            outs = self._collect(pending.__contains__, _final) if marks != seen else []
+            seen = marks
             for out in outs:
                 pending.discard(out.request_id)
                 finished[out.request_id] = out

@@ -131,3 +131,25 @@ def test_the_fingerprint_sees_replaced_moved_and_cast_tensors(model):
     again = weights_fingerprint(model)
     model.train()
     assert weights_fingerprint(model) != again
+
+
+def test_a_module_swapped_in_after_serving_invalidates_cached_prefixes(model):
+    """PEFT injects its layers with setattr after the model may have served: the registration is seen."""
+    llm = LLM(model, block_size=8)
+    plain = serve(llm, prompts(0))[0]
+    _, cached = serve(llm, prompts(0))
+    assert cached[0] == 32
+    layer = model.model.layers[0].mlp
+    layer.down_proj = SwitchableAdapter(layer.down_proj)
+    tokens, cached = serve(llm, prompts(0))
+    assert cached[0] == 0 and tokens == fresh_tokens(model, prompts(0)) and tokens != plain
+
+
+def test_a_forward_registering_temporary_modules_keeps_the_cache(model):
+    """transformers' forward slices its ModuleList of layers (a new ModuleList, registrations on it): that is not
+    a change of the model, so prefixes stay cached."""
+    llm = LLM(model, block_size=8)
+    serve(llm, prompts(0))
+    model(torch.tensor([[1, 2, 3]]))
+    _, cached = serve(llm, prompts(1))
+    assert cached[0] == 32

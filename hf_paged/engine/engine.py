@@ -83,6 +83,7 @@ class Engine:
         # request id -> indices of its samples that received a token or finished since their consumer last collected
         # (`LLM` routes them to whichever call owns the request, whoever stepped); replaced whole, never edited
         self.dirty: dict[str, frozenset[int]] = {}
+        self.finish_marks = 0  # grows whenever a marked request finished (callers waiting only for ends watch it)
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._typed: bool | None = None  # whether this engine's requests carry token types (set by the first)
@@ -201,6 +202,7 @@ class Engine:
                         request_id = request.group.request_id
                         dirty[request_id] = dirty.get(request_id, frozenset()) | {request.sample_index}
                     self.dirty = dirty  # before the commit: a failure between them leaves a mark, never loses one
+                    self.finish_marks += sum(1 for request in changed if request.is_finished)
                 scheduler.undo.commit()
             except BaseException:
                 scheduler.undo.rollback()

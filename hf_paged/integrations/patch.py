@@ -8,7 +8,7 @@ import functools
 
 from ..config import logger
 from .. import model as paged_model
-from ..model import switches
+from ..model import fingerprint, switches
 
 SUPPORTED = ((5, 24), (6, 0))  # transformers >= 5.24 (the `cache` argument), < 6
 _patched: dict = {}  # what enable() replaced (the original generate, the pipeline's get_iterator); empty when disabled
@@ -117,6 +117,7 @@ def disable() -> None:
     _unpatch_pipeline()
     _unpatch_config_classes()
     paged_model.unregister()
+    fingerprint.uninstall()
     logger.debug("hf_paged disabled")
 
 

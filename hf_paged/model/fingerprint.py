@@ -1,47 +1,101 @@
 """What produced a model's K/V, as a value that changes whenever that does: the engine keys its prefix cache by it.
 
 Caught: parameters and buffers changed in place through the tensor (optimizer steps, `load_state_dict`, `copy_`
-under `no_grad`: the version counter), replaced, moved, cast or resized (identity, storage, dtype, device, shape),
-PEFT adapters switched, disabled, merged or unmerged (the adapter layers' own state), train / eval mode. Not caught:
-writes through `.data` (they bypass the version counter) and changes to code; `LLM.reset_prefix_cache()` covers
-those.
+under `no_grad`: the version counter), given new storage (a cast, a move, `.data = ...`: the address), replaced,
+added or removed through the module API (`module.weight = ...`, `register_buffer`, a submodule swapped in, PEFT
+injecting adapters: torch's registration hooks), PEFT adapters switched, disabled, merged or unmerged (the adapter
+layers' own state), train / eval mode. Not caught: writes through `.data` (they bypass the version counter), edits of
+a module's private dicts, changes to code; `LLM.reset_prefix_cache()` covers those.
+
+Cost per call: the model's tensors are listed once per change of any module's registrations (hooks count them), so
+a call reads each tensor's version and address and the adapter layers' state: ~10 microseconds for a tiny model.
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
+from torch.nn.modules import module as torch_module
 
 # attributes of PEFT's adapter layers that decide what they compute (read only where a module has them)
 ADAPTER_STATE = ("_disable_adapters", "_active_adapter", "merged_adapters", "scaling", "active_adapters")
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
-    # the id and a weak reference: equal while the tensor lives, never equal to those of a freed tensor (whose id and
-    # storage a new tensor may reuse), and no replaced weights are kept alive
-    try:
-        version = t._version
-    except RuntimeError:  # an inference tensor: no version counter (it cannot be changed outside inference mode)
-        version = -1
-    return id(t), weakref.ref(t), version, t.data_ptr()  # ids first: live references are compared only when equal
+class _Registrations:
+    """Counts registrations of parameters, buffers and submodules on the modules of the models listed so far (torch's
+    global hooks, installed on first use, removed by `uninstall`; registrations on other modules, e.g. the ModuleList
+    a forward slices off its layers, are not counted)."""
+
+    count = 0
+    handles: list = []
+    watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.handles:
+            return
+        cls.handles = [register(cls._bump) for register in (
+            torch_module.register_module_parameter_registration_hook,
+            torch_module.register_module_buffer_registration_hook,
+            torch_module.register_module_module_registration_hook)]
+
+    @classmethod
+    def _bump(cls, module, name, value):
+        if module in cls.watched:
+            cls.count += 1  # returns None: the registered object is kept as given
+
+    @classmethod
+    def uninstall(cls) -> None:
+        for handle in cls.handles:
+            handle.remove()
+        cls.handles = []
+        cls.count += 1  # whatever was listed while they were off may be stale
 
 
-def weights_fingerprint(model: torch.nn.Module) -> list:
-    """A value equal between two calls exactly when nothing above changed in between (compare with ==). A cast, a
-    move or `.data = ...` gives a tensor new storage (its address changes); resizing bumps its version. About 0.35 ms
-    for a 22-layer Llama on CPU, once per engine step with prefix caching on."""
-    parts: list = [model.training]
-    add = parts.append
+_listed: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _layout(model: torch.nn.Module) -> tuple:
+    """(registration count, the model's tensors, its adapter layers, their identity), listed again after any
+    registration on any module."""
+    found = _listed.get(model)
+    if found is not None and found[0] == _Registrations.count:
+        return found
+    tensors, adapters = [], []
     for module in model.modules():
-        for tensor in module._parameters.values():
-            if tensor is not None:
-                add(_tensor_key(tensor))
-        for tensor in module._buffers.values():
-            if tensor is not None:
-                add(_tensor_key(tensor))
+        _Registrations.watched.add(module)
+        tensors.extend(t for t in module._parameters.values() if t is not None)
+        tensors.extend(t for t in module._buffers.values() if t is not None)
         state = module.__dict__
         if "_disable_adapters" in state or "_active_adapter" in state or "merged_adapters" in state:
-            for name in ADAPTER_STATE:
-                if name in state:
-                    add((name, repr(state[name])))
-    return parts
+            adapters.append(module)
+    # which tensors: ids with weak references (equal while they live, never equal to a freed tensor's, whose id and
+    # storage a new one may reuse; no replaced weights kept alive); an unrelated registration lists an equal one
+    identity = tuple((id(t), weakref.ref(t)) for t in tensors)
+    found = (_Registrations.count, tensors, adapters, identity)
+    _listed[model] = found
+    return found
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter (it cannot be changed outside inference mode)
+        return -1
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple:
+    """A value equal between two calls exactly when nothing above changed in between (compare with ==)."""
+    _Registrations.install()
+    count, tensors, adapters, identity = _layout(model)
+    try:
+        versions = [(t._version, t.data_ptr()) for t in tensors]
+    except RuntimeError:
+        versions = [(_version(t), t.data_ptr()) for t in tensors]
+    states = [(name, repr(m.__dict__[name])) for m in adapters for name in ADAPTER_STATE if name in m.__dict__]
+    return model.training, identity, versions, states
+
+
+def uninstall() -> None:
+    """Remove the registration hooks (hf_paged.disable())."""
+    _Registrations.uninstall()

@@ -43,6 +43,9 @@ class LLM:
         """Queue one prompt; returns its request id. Invalid input raises ValueError (InputTypeError for a wrong type)
         before anything is queued. `params` may also be a dict of SamplingParams fields."""
         engine = self.engine
+        if request_id is not None and str(request_id) in self._claimed:
+            raise ValueError(f"request 0: request_id {str(request_id)!r} still belongs to an open generate / stream "
+                             f"call (aborted, not yet closed); use another id")
         params = as_params(params, 0)
         priority = as_priority(priority, 0)
         token_ids = engine.tokenize(prompt, 0)

@@ -76,6 +76,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first admission (-1: not yet)
     block_hashes: list[bytes] = field(default_factory=list)  # chain keys of full blocks of all_token_ids
     num_published_blocks: int = 0  # leading table blocks already in the prefix map
+    stale_kv: bool = False  # holds K/V computed before what produces K/V changed: publishes nothing (kv.manager)
     swapped_blocks: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
     forks: list["Request"] = field(default_factory=list)  # other samples of this prompt, started from it
     # HF's right padding: the first output is sampled from the logits of this (token id, position), a query that
@@ -174,14 +175,14 @@ class Request:
                 self.finish_reason, self.error, self.stop_reason, None if self.logprobs is None else len(self.logprobs),
                 None if self.generator is None else self.generator.get_state(), self.num_preemptions,
                 self.first_token_time, self.finished_time, self.num_cached_tokens, len(self.block_hashes),
-                self.num_published_blocks, list(self.swapped_blocks), list(self.forks))
+                self.num_published_blocks, list(self.swapped_blocks), list(self.forks), self.stale_kv)
 
     def restore(self, saved: tuple) -> None:
         """Put back what `snapshot` saw (a failed step is undone; outputs only ever grow within one)."""
         (self.status, self.num_computed_tokens, self.block_table, num_outputs, self.finish_reason, self.error,
          self.stop_reason, num_logprobs, generator_state, self.num_preemptions, self.first_token_time,
          self.finished_time, self.num_cached_tokens, num_hashes, self.num_published_blocks, self.swapped_blocks,
-         self.forks) = saved
+         self.forks, self.stale_kv) = saved
         del self.output_token_ids[num_outputs:]
         del self.all_token_ids[len(self.prompt_token_ids) + num_outputs:]
         if num_logprobs is not None:

@@ -25,6 +25,7 @@ class Seq:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0
+    stale_kv: bool = False
     num_computed_tokens: int = 0
     status: str = "waiting"  # waiting (new or preempted by recompute) | running | swapped
     host: list[int] = field(default_factory=list)  # swap blocks while swapped

@@ -173,3 +173,46 @@ def test_astream_and_generate_from_another_thread(model, expected):
                        lambda: [o.token_ids for o in llm.generate(B, GREEDY, use_tqdm=False)])
     assert a == expected["A"] and b == expected["B"]
     assert_clean(llm)
+
+
+def test_an_id_still_claimed_by_an_open_stream_is_refused(model):
+    """Found by review: after LLM.abort of a stream's request, add_request with that id was accepted and the stream
+    reported the new request as its own."""
+    llm = LLM(model, Letters())
+    stream = llm.stream(A, GREEDY)
+    first = next(stream)
+    assert llm.abort(first.request_id)
+    with pytest.raises(ValueError, match="still belongs to an open"):
+        llm.add_request([9, 9, 9, 9], GREEDY, request_id=first.request_id)
+    assert all(out.request_id != first.request_id or out.prompt_token_ids == first.prompt_token_ids for out in stream)
+    llm.add_request([9, 9, 9, 9], GREEDY, request_id=first.request_id)  # free again once the stream closed
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert_clean(llm)
+
+
+def test_an_abort_from_inside_a_step_waits_for_its_end(model, expected):
+    """Found by review: an abandoned stream collected by the garbage collector in the middle of another caller's
+    step aborted its requests there (the engine lock is re-entrant): that step failed. Now such an abort (simulated by
+    a forward hook) takes effect right after the step."""
+    llm = LLM(model, Letters())
+    victim = llm.add_request([50, 51, 52], GREEDY)
+    keep = [llm.add_request(p, GREEDY) for p in A]
+    layer = model.model.layers[0]
+    fired = []
+
+    def hook(module, args, output):
+        if not fired:
+            fired.append(llm.abort(victim))
+
+    handle = layer.register_forward_hook(hook)
+    try:
+        llm.step()
+    finally:
+        handle.remove()
+    assert fired == [True] and victim not in llm.engine.groups
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in llm.step() if o.finished})
+    assert [done[i] for i in keep] == expected["A"]
+    assert_clean(llm)

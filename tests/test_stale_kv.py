@@ -153,3 +153,70 @@ def test_a_forward_registering_temporary_modules_keeps_the_cache(model):
     model(torch.tensor([[1, 2, 3]]))
     _, cached = serve(llm, prompts(1))
     assert cached[0] == 32
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_a_request_running_across_a_change_publishes_nothing(model):
+    """Found by review: a request whose first block was partly computed under the old weights published it under the
+    new context's key when it filled up (its keys were computed lazily, after the change)."""
+    llm = LLM(model, block_size=8, attention_backend="torch")
+    llm.add_request([5, 6, 7], greedy(12), request_id="A")
+    for _ in range(3):
+        llm.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)
+    ended = {}
+    while llm.has_unfinished_requests():
+        ended.update({o.request_id: o.token_ids for o in llm.step() if o.finished})
+    probe = ([5, 6, 7] + ended["A"])[:8] + [40, 41, 42]
+    got = llm.generate([probe], greedy(8), use_tqdm=False)[0]
+    assert got.num_cached_tokens == 0 and got.token_ids == fresh_tokens(model, [probe])[0]
+
+
+def test_an_interrupted_context_change_is_finished_by_the_next_step(model, monkeypatch):
+    """Found by review: the new context was recorded before the old blocks left the prefix map; a Ctrl-C in between
+    was never retried."""
+    from hf_paged.kv.block_pool import BlockPool
+
+    system = list(range(30, 38))
+    llm = LLM(model, block_size=4, num_blocks=8, attention_backend="torch")
+    llm.generate([system + [1]], greedy(1), use_tqdm=False)
+    llm.add_request(list(range(60, 78)), greedy(3), request_id="R")
+    waiting = system + [2, 3, 4, 5, 6, 7]
+    llm.add_request(waiting, greedy(6), request_id="W")
+    llm.step()
+    assert llm.engine.scheduler.waiting and llm.engine.scheduler.waiting[0].block_hashes
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)
+    original, calls = BlockPool.uncache, [0]
+
+    def uncache(self, block_id):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        return original(self, block_id)
+
+    monkeypatch.setattr(BlockPool, "uncache", uncache)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.undo()
+    ended = {}
+    while llm.has_unfinished_requests():
+        ended.update({o.request_id: (o.token_ids, o.num_cached_tokens) for o in llm.step() if o.finished})
+    fresh = LLM(model, block_size=4, attention_backend="torch").generate([waiting], greedy(6), use_tqdm=False)[0]
+    assert ended["W"] == (fresh.token_ids, 0)
+
+
+def test_a_tensor_put_into_a_private_dict_is_seen(model):
+    """accelerate's set_module_tensor_to_device writes `module._parameters[name]` directly (no registration hook)."""
+    from hf_paged.model.fingerprint import weights_fingerprint
+
+    before = weights_fingerprint(model)
+    proj = model.model.layers[0].self_attn.q_proj
+    proj._parameters["weight"] = torch.nn.Parameter(proj.weight.detach() * 2)
+    assert weights_fingerprint(model) != before

@@ -185,3 +185,33 @@ def test_copy_on_write_from_a_block_distrusted_by_a_rollback(model):
     alone = LLM(model, attention_backend="torch")
     expected = [[c.token_ids for c in alone.generate([p], s, use_tqdm=False)[0].outputs] for p, s in zip((a, y), params)]
     assert [[ended[("A", 0)], ended[("A", 1)]], [ended[("Y", 0)]]] == expected
+
+
+def test_a_failure_while_undoing_refuses_further_steps(model, monkeypatch):
+    """Found by review: a second Ctrl-C inside the undo left a mix of states (blocks freed twice, leaks, a sample that
+    never finished). Every part of the undo now runs, and the engine then refuses to step, saying why."""
+    from hf_paged.request import Request
+
+    llm = LLM(model, CharTokenizer(), **PRESSURED)
+    for i, (p, s) in enumerate(zip(PROMPTS, PARAMS)):
+        llm.add_request(p, s, request_id=f"q{i}")
+    llm.step()
+    inject(monkeypatch, "hf_paged.engine.scheduler", "Scheduler.update", 1, "before", KeyboardInterrupt())
+    inject(monkeypatch, "hf_paged.request", "Request.restore", 1, "before", KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="undoing a failed step was interrupted"):
+        llm.step()
+    assert Request.restore  # the rest of the undo ran: the pool's journal is closed
+    assert llm.engine.scheduler.kv.pool._journal is None
+
+
+def test_overlapping_copies_within_one_storage_are_not_merged():
+    """Found by review: copy-on-write copies (2 -> 1), (3 -> 2) were merged into one slice copy whose source and
+    destination overlap (no defined element order on a GPU)."""
+    from hf_paged.kv.swap import contiguous_runs
+
+    assert contiguous_runs([2, 3], [1, 2], disjoint=True) == [(2, 1, 1), (3, 2, 1)]
+    assert contiguous_runs([1, 2, 3], [7, 8, 9], disjoint=True) == [(1, 7, 3)]
+    assert contiguous_runs([2, 3], [1, 2]) == [(2, 1, 2)]  # between two storages a run may look like that

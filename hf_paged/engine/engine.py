@@ -88,6 +88,8 @@ class Engine:
         self._arrivals = itertools.count()
         self._typed: bool | None = None  # whether this engine's requests carry token types (set by the first)
         self.lock = threading.RLock()  # add_request / abort / step from several threads run one at a time
+        self._in_step = False  # a step of the thread holding `lock` is running (aborts it makes wait for its end)
+        self._deferred_aborts: list[str] = []
 
     # ---- input ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int], index: int) -> list[int]:
@@ -159,12 +161,17 @@ class Engine:
         return group
 
     def abort(self, request_id: str) -> bool:
-        """Stop every sample of a request and free its memory. Returns whether the id was known."""
+        """Stop every sample of a request and free its memory. Returns whether the id was known. Called from inside
+        a step of this very thread (a finalizer, e.g. an abandoned stream collected mid-forward), it takes effect
+        right after that step."""
         with self.lock:
+            if self._in_step:
+                self._deferred_aborts.append(str(request_id))
+                return str(request_id) in self.groups
             group = self.groups.pop(str(request_id), None)
             if group is None:
                 return False
-            self.dirty.pop(group.request_id, None)
+            self._unmark(group.request_id)
             for request in group.samples:
                 self.scheduler.abort(request)
             return True
@@ -181,34 +188,48 @@ class Engine:
         request, block table, the block pool, the swap space and the random state are put back as they were before
         it, and the error propagates; stepping on gives the tokens an undisturbed run gives."""
         with self.lock:
-            scheduler = self.scheduler
-            if self.config.enable_prefix_caching:  # K/V computed from now on are found only by what computes them
-                scheduler.set_context(self.kv_context())
-            rng = self.sampler.generator.get_state()
-            scheduler.undo.begin()
+            if self._in_step:
+                raise RuntimeError("Engine.step called from inside a step of the same thread")
+            self._in_step = True
             try:
-                plan = scheduler.schedule()
-                if not plan.requests:
-                    if scheduler.has_work:
-                        raise RuntimeError("scheduler made no progress although requests are waiting")
-                    changed = []
-                else:
-                    self.memory.apply(plan)
-                    outcome = self.runner.run(plan, self.sampler)
-                    changed = scheduler.update(plan, outcome)
-                if changed:
-                    dirty = dict(self.dirty)
-                    for request in changed:
-                        request_id = request.group.request_id
-                        dirty[request_id] = dirty.get(request_id, frozenset()) | {request.sample_index}
-                    self.dirty = dirty  # before the commit: a failure between them leaves a mark, never loses one
-                    self.finish_marks += sum(1 for request in changed if request.is_finished)
-                scheduler.undo.commit()
-            except BaseException:
-                scheduler.undo.rollback()
-                self.sampler.generator.set_state(rng)
-                raise
-            return changed
+                return self._step()
+            finally:
+                self._in_step = False
+                deferred, self._deferred_aborts = self._deferred_aborts, []
+                for request_id in deferred:
+                    self.abort(request_id)
+
+    def _step(self) -> list[Request]:
+        scheduler = self.scheduler
+        if scheduler.undo.broken is not None:
+            raise RuntimeError(f"this engine cannot step any more: {scheduler.undo.broken}; create a new one")
+        if self.config.enable_prefix_caching:  # K/V computed from now on are found only by what computes them
+            scheduler.set_context(self.kv_context())
+        rng = self.sampler.generator.get_state()
+        scheduler.undo.begin()
+        try:
+            plan = scheduler.schedule()
+            if not plan.requests:
+                if scheduler.has_work:
+                    raise RuntimeError("scheduler made no progress although requests are waiting")
+                changed = []
+            else:
+                self.memory.apply(plan)
+                outcome = self.runner.run(plan, self.sampler)
+                changed = scheduler.update(plan, outcome)
+            if changed:
+                dirty = dict(self.dirty)
+                for request in changed:
+                    request_id = request.group.request_id
+                    dirty[request_id] = dirty.get(request_id, frozenset()) | {request.sample_index}
+                self.dirty = dirty  # before the commit: a failure between them leaves a mark, never loses one
+                self.finish_marks += sum(1 for request in changed if request.is_finished)
+            scheduler.undo.commit()
+        except BaseException:
+            scheduler.undo.rollback()
+            self.sampler.generator.set_state(rng)
+            raise
+        return changed
 
     def kv_context(self) -> tuple:
         """Everything besides tokens, positions and salt that decides the K/V this engine computes: the weights and
@@ -231,7 +252,12 @@ class Engine:
         """Forget a finished group (its memory is already free)."""
         if self.groups.get(group.request_id) is group:
             del self.groups[group.request_id]
-            self.dirty.pop(group.request_id, None)
+            self._unmark(group.request_id)
+
+    def _unmark(self, request_id: str) -> None:
+        """Drop a request's marks; `dirty` is replaced whole (others iterate it without the lock)."""
+        if request_id in self.dirty:
+            self.dirty = {rid: samples for rid, samples in self.dirty.items() if rid != request_id}
 
     def stats(self) -> dict:
         kv, scheduler = self.scheduler.kv, self.scheduler

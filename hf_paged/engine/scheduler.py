@@ -67,13 +67,22 @@ class Scheduler:
             self.waiting.append(request)
 
     def set_context(self, context: object) -> None:
-        """What produces K/V from now on (see `KVCacheManager.set_context`); when it changed, queued requests that
-        hold no memory forget their block keys (computed under the old context)."""
-        if self.kv.set_context(context):
-            for request in self.waiting:
-                if not request.block_table and request.status is not RequestStatus.SWAPPED:
-                    request.block_hashes = []
-                    request.num_published_blocks = 0
+        """What produces K/V from now on (see `KVCacheManager.set_context`). When it changed: requests holding K/V
+        computed before (running, swapped, forks waiting on a prompt) never publish blocks again, and queued requests
+        holding none forget their block keys (computed under the old root)."""
+        if not self.kv.context_changed(context):
+            return
+        for request in self._all_requests():
+            if request.block_table or request.swapped_blocks or request.num_computed_tokens:
+                request.stale_kv = True
+            else:
+                request.block_hashes = []
+                request.num_published_blocks = 0
+        self.kv.set_context(context)
+
+    def _all_requests(self) -> list[Request]:
+        found = list(self.running) + list(self.waiting)
+        return found + [child for request in found for child in request.forks]
 
     def recompute(self, request: Request) -> None:
         """Preempt a running request by recompute (outside any plan)."""

@@ -26,6 +26,7 @@ class StepUndo:
         self.scheduler = scheduler
         self._saved: tuple | None = None  # the queues, counters and rate as they were
         self._touched: dict[int, tuple[Request, tuple]] | None = None  # requests changed this step, as they were
+        self.broken: str | None = None  # why the engine's state is unknown (a failure interrupted `rollback`)
 
     def begin(self) -> None:
         s = self.scheduler
@@ -48,23 +49,46 @@ class StepUndo:
             s.swap.commit()
 
     def rollback(self) -> None:
+        """Undo the step. Every part runs even if another raised (a second Ctrl-C); if one did, the state is not
+        known to be whole, so `broken` says why (the engine refuses to step again) and the first error propagates."""
         if self._saved is None:
             return
         s = self.scheduler
         waiting, running, counters, rate = self._saved
         touched = self._touched
         self._saved = self._touched = None
+        failures: list[BaseException] = []
+
+        def part(action) -> None:
+            try:
+                action()
+            except BaseException as e:  # noqa: BLE001 - every part must run; the first failure is raised below
+                failures.append(e)
+
+        part(lambda: self._restore_queues(waiting, running, counters, rate))
+        for request, saved in touched.values():
+            part(lambda request=request, saved=saved: request.restore(saved))
+        if s.swap is not None:
+            part(s.swap.rollback)
+        written: set[int] = set()
+        part(lambda: written.update(s.kv.rollback()))
+        part(lambda: self._distrust(written))
+        if failures:
+            self.broken = (f"undoing a failed step was interrupted ({type(failures[0]).__name__}); its requests and "
+                           f"blocks are in an unknown state")
+            raise failures[0]
+
+    def _restore_queues(self, waiting, running, counters, rate) -> None:
+        s = self.scheduler
         s.waiting.clear()
         s.waiting.extend(waiting)
         s.running[:] = running
         s.counters.clear()
         s.counters.update(counters)
         s.costs.prefill_tokens_per_s = rate
-        for request, saved in touched.values():
-            request.restore(saved)
-        if s.swap is not None:
-            s.swap.rollback()
-        written = s.kv.rollback()
+
+    def _distrust(self, written: set[int]) -> None:
+        s = self.scheduler
         for request in list(s.running):
             if any(block in written for block in request.block_table):
                 s.recompute(request)

@@ -14,6 +14,7 @@ class Sequence(Protocol):
     block_table: list[int]
     block_hashes: list[bytes]
     num_published_blocks: int
+    stale_kv: bool  # holds K/V computed before the context changed: never published (see `set_context`)
     all_token_ids: list[int]
     num_computed_tokens: int
 
@@ -88,21 +89,24 @@ class KVCacheManager:
         return allocated
 
     # ---- prefix reuse ----------------------------------------------------------------------------
-    def set_context(self, context: object) -> bool:
-        """Say what produces K/V from now on (compared with ==; a fresh `object()` always differs). When it changed,
-        every cached block leaves the prefix map and keys start from a new root, so no K/V produced before is ever
-        found again, not even a block still being computed under the old one. The caller drops the keys of
-        sequences that hold no blocks. Returns whether it changed."""
-        if self._contexts and context == self._context:
+    def context_changed(self, context: object) -> bool:
+        """Whether `context` (compared with ==; a fresh `object()` always differs) differs from the one in force. The
+        first context ever given is taken as in force (nothing has been computed yet)."""
+        if not self._contexts:
+            self._context, self._contexts = context, 1
             return False
-        first, self._context = not self._contexts, context
-        self._contexts += 1
-        if first:
-            return False
-        self._root = self._contexts.to_bytes(16, "little")
+        return context != self._context
+
+    def set_context(self, context: object) -> None:
+        """Say what produces K/V from now on. Every cached block leaves the prefix map and keys start from a new root,
+        so no K/V produced before is ever found again. The caller first marks the sequences holding K/V as
+        `stale_kv` (they never publish again) and drops the keys of those holding none. The new context is recorded
+        last: if this is interrupted, the next call finds the change again and finishes it."""
         for block in list(self.pool.cached.values()):
             self.pool.uncache(block.block_id)
-        return True
+        self._root = (self._contexts + 1).to_bytes(16, "little")
+        self._contexts += 1
+        self._context = context
 
     def _hashes(self, request: Sequence, count: int) -> list[bytes]:
         """The chain keys of the request's first `count` full blocks (computed once, extended lazily)."""
@@ -148,6 +152,7 @@ class KVCacheManager:
         """Start the request's table with its prefix hits. Returns how many tokens they hold (computed already)."""
         self.pool.touch(hits)
         request.block_table = [block.block_id for block in hits]
+        request.stale_kv = False  # everything it holds from here on is computed under the context in force
         return len(hits) * self.block_size
 
     def count_lookup(self, request: Sequence, num_hit_tokens: int) -> None:
@@ -158,7 +163,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Sequence) -> None:
         """Publish the request's newly completed blocks to the prefix map."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.stale_kv:
             return
         full = request.num_computed_tokens // self.block_size
         if full <= request.num_published_blocks:
@@ -195,6 +200,7 @@ class KVCacheManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_published_blocks = parent.num_published_blocks
+        child.stale_kv = parent.stale_kv
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies to run before the next forward pass."""

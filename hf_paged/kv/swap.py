@@ -9,14 +9,16 @@ import torch
 from .cache import KVCache
 
 
-def contiguous_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+def contiguous_runs(src: list[int], dst: list[int], disjoint: bool = False) -> list[tuple[int, int, int]]:
     """Split a block-to-block mapping into (src_start, dst_start, length) runs where both sides are consecutive,
-    so a whole request usually moves as a few large copies instead of one per block."""
+    so a whole request usually moves as a few large copies instead of one per block. `disjoint` (a copy within one
+    storage): a run's source and destination ranges never overlap (an overlapping slice copy has no defined order)."""
     if len(src) != len(dst):
         raise ValueError(f"a block copy needs as many destinations as sources, got {len(src)} and {len(dst)}")
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d and not (
+                disjoint and _overlap(runs[-1], s, d)):
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((s, d, 1))
@@ -34,13 +36,19 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, src_ids: list[int], dst_id
     if piecewise is None:
         piecewise = src.device.type != dst.device.type
     non_blocking = src.device.type != dst.device.type
-    for s, d, n in contiguous_runs(src_ids, dst_ids):
+    for s, d, n in contiguous_runs(src_ids, dst_ids, disjoint=src is dst):
         if not piecewise:
             dst[:, :, d:d + n].copy_(src[:, :, s:s + n], non_blocking=non_blocking)
             continue
         for layer in range(src.shape[0]):
             for kind in range(2):
                 dst[layer, kind, d:d + n].copy_(src[layer, kind, s:s + n], non_blocking=non_blocking)
+
+
+def _overlap(run: tuple[int, int, int], s: int, d: int) -> bool:
+    """Whether `run` grown by (s, d) would read and write overlapping ranges."""
+    start_s, start_d, n = run
+    return start_s < start_d + n + 1 and start_d < start_s + n + 1
 
 
 BlockCopy = Callable[[torch.Tensor, torch.Tensor, list, list], None]

@@ -4,8 +4,9 @@ Caught: parameters and buffers changed in place through the tensor (optimizer st
 under `no_grad`: the version counter), given new storage (a cast, a move, `.data = ...`: the address), replaced,
 added or removed through the module API (`module.weight = ...`, `register_buffer`, a submodule swapped in, PEFT
 injecting adapters: torch's registration hooks), PEFT adapters switched, disabled, merged or unmerged (the adapter
-layers' own state), train / eval mode. Not caught: writes through `.data` (they bypass the version counter), edits of
-a module's private dicts, changes to code; `LLM.reset_prefix_cache()` covers those.
+layers' own state), a tensor put straight into a module's `_parameters` / `_buffers` (accelerate does), train / eval
+mode. Not caught: writes through `.data` (they bypass the version counter), in-place changes of inference tensors
+(no version counter), tensors added to those dicts directly, changes to code; `LLM.reset_prefix_cache()` covers those.
 
 Cost per call: the model's tensors are listed once per change of any module's registrations (hooks count them), so
 a call reads each tensor's version and address and the adapter layers' state: ~10 microseconds for a tiny model.
@@ -59,20 +60,24 @@ def _layout(model: torch.nn.Module) -> tuple:
     """(registration count, the model's tensors, its adapter layers, their identity), listed again after any
     registration on any module."""
     found = _listed.get(model)
-    if found is not None and found[0] == _Registrations.count:
+    if found is not None and found[0] == _Registrations.count and all(
+            where.get(name) is t for (where, name), t in zip(found[4], found[1])):  # also edits of the private dicts
         return found
-    tensors, adapters = [], []
+    tensors, adapters, slots = [], [], []
     for module in model.modules():
         _Registrations.watched.add(module)
-        tensors.extend(t for t in module._parameters.values() if t is not None)
-        tensors.extend(t for t in module._buffers.values() if t is not None)
+        for where in (module._parameters, module._buffers):
+            for name, t in where.items():
+                if t is not None:
+                    tensors.append(t)
+                    slots.append((where, name))
         state = module.__dict__
         if "_disable_adapters" in state or "_active_adapter" in state or "merged_adapters" in state:
             adapters.append(module)
     # which tensors: ids with weak references (equal while they live, never equal to a freed tensor's, whose id and
     # storage a new one may reuse; no replaced weights kept alive); an unrelated registration lists an equal one
     identity = tuple((id(t), weakref.ref(t)) for t in tensors)
-    found = (_Registrations.count, tensors, adapters, identity)
+    found = (_Registrations.count, tensors, adapters, identity, slots)
     _listed[model] = found
     return found
 
@@ -87,7 +92,7 @@ def _version(t: torch.Tensor) -> int:
 def weights_fingerprint(model: torch.nn.Module) -> tuple:
     """A value equal between two calls exactly when nothing above changed in between (compare with ==)."""
     _Registrations.install()
-    count, tensors, adapters, identity = _layout(model)
+    count, tensors, adapters, identity, _ = _layout(model)
     try:
         versions = [(t._version, t.data_ptr()) for t in tensors]
     except RuntimeError:

@@ -16,8 +16,8 @@ from hf_paged import LLM
 from hf_paged.kv import blocks_needed
 from soak_draw import MAX_NEW, MAX_PROMPT, Spec
 
-# every point of a step a failure can come from (module, attribute path); kept equal to tests/test_step_atomic.py's
-# POINTS by tests/test_soak.py (benchmarks do not import tests)
+# every point of a step a failure can come from (module, attribute path): the soak injects faults there and
+# tests/test_step_atomic.py proves each atomic
 POINTS = [
     ("hf_paged.engine.scheduler", "Scheduler.schedule"),
     ("hf_paged.kv.manager", "KVCacheManager.allocate_slots"),

@@ -1,14 +1,12 @@
 """The soak test (benchmarks/soak.py) in CI size: the same code path, a few rounds, zero violations (also with each
 extra mode: faults, consumers, weight changes, fp8); the reproducers of the bugs it found; and proof that its checks
 catch a broken engine."""
-import ast
 import importlib.util
 import random
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from hf_paged import LLM, SamplingParams
 from hf_paged.engine.scheduler import Scheduler
@@ -155,12 +153,10 @@ def test_the_soak_catches(model, monkeypatch, breakage, kinds):
 
 # ---- the extra modes ------------------------------------------------------------------------------------------------
 def test_the_fault_points_are_the_step_matrix():
-    """The soak injects faults at the points tests/test_step_atomic.py proves atomic (a copy: benchmarks do not import
-    tests), and each one names a callable that exists."""
-    tree = ast.parse((Path(__file__).parent / "test_step_atomic.py").read_text())
-    points = next(ast.literal_eval(node.value) for node in tree.body
-                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "POINTS")
-    assert soak_faults.POINTS == points
+    """The soak injects faults at the points tests/test_step_atomic.py proves atomic (it reads the soak's list), and
+    each one names a callable that exists."""
+    points = soak_faults.POINTS
+    assert len(points) == len(set(points)) >= 23
     for module_name, path in points:
         owner = importlib.import_module(module_name)
         for name in path.split("."):

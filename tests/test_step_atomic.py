@@ -6,6 +6,8 @@ Each case is a (module attribute, when) pair: the wrapped callable raises on its
 running ("before") or after it ran ("after": its effects happened, the step did not finish).
 """
 import importlib
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,9 @@ from hf_paged import LLM, SamplingParams
 from hf_paged.engine.scheduler import Scheduler
 
 from conftest import cached_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # soak_faults.py and what it imports
+import soak_faults  # noqa: E402
 
 SYSTEM = list(range(30, 50))
 PROMPTS = [SYSTEM + [5, 6, 7], [8, 9, 10, 11] * 5, SYSTEM + [12], [13, 14], SYSTEM + [5, 6, 7, 8, 9]]
@@ -27,32 +32,8 @@ RECOMPUTE = dict(PRESSURED, preemption_mode="recompute")
 ROOMY = dict(PRESSURED, num_blocks=64)  # no preemption: forks share blocks long enough to be copied on write
 RUNS = [(PRESSURED, 1), (PRESSURED, 4), (RECOMPUTE, 3), (ROOMY, 1), (ROOMY, 3)]
 
-# (module, attribute path): every point of the step a failure can come from
-POINTS = [
-    ("hf_paged.engine.scheduler", "Scheduler.schedule"),
-    ("hf_paged.kv.manager", "KVCacheManager.allocate_slots"),
-    ("hf_paged.kv.manager", "KVCacheManager.computed_blocks"),
-    ("hf_paged.kv.manager", "KVCacheManager.admit"),
-    ("hf_paged.kv.manager", "KVCacheManager.free"),
-    ("hf_paged.kv.block_pool", "BlockPool.allocate"),
-    ("hf_paged.kv.swap", "SwapPool.allocate"),
-    ("hf_paged.engine.scheduler", "Scheduler._preempt"),
-    ("hf_paged.engine.scheduler", "Scheduler._swap_in"),
-    ("hf_paged.engine.memory", "KVMemory.apply"),
-    ("hf_paged.kv.swap", "SwapPool.swap_out"),
-    ("hf_paged.kv.swap", "SwapPool.swap_in"),
-    ("hf_paged.engine.memory", "KVMemory.clear"),
-    ("hf_paged.engine.memory", "copy_blocks"),
-    ("hf_paged.engine.runner", "ModelRunner.execute"),
-    ("hf_paged.engine.runner", "sample_step"),
-    ("hf_paged.sampling", "Sampler.__call__"),
-    ("hf_paged.engine.scheduler", "Scheduler.update"),
-    ("hf_paged.engine.scheduler", "apply_stop_rules"),
-    ("hf_paged.kv.manager", "KVCacheManager.cache_full_blocks"),
-    ("hf_paged.engine.scheduler", "Scheduler._start_fork"),
-    ("hf_paged.engine.scheduler", "Scheduler._release"),
-    ("hf_paged.request", "Request.finish"),
-]
+# (module, attribute path): every point of the step a failure can come from; one list for this matrix and the soak
+POINTS = soak_faults.POINTS
 
 
 class Boom(Exception):

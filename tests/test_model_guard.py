@@ -137,3 +137,21 @@ def test_a_passing_failure_during_the_check_is_not_kept():
         LLM(model).generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)  # checked again: served
     finally:
         del layer.forward
+
+
+def test_a_refusal_in_training_mode_is_not_kept_for_eval_mode():
+    """A model with attention dropout is refused in training mode (no two forwards agree), rightly; after
+    `model.eval()` it is served (the verdict used to be kept without the mode)."""
+    from hf_paged import LLM, SamplingParams
+    from hf_paged.tiny import tiny_model
+
+    model = tiny_model("llama", attention_dropout=0.5).train()
+    with pytest.raises(ValueError, match="training mode"):
+        LLM(model, attention_backend="torch")
+    model.eval()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    out = LLM(model, attention_backend="torch").generate([[5, 6, 7]], params, use_tqdm=False)[0]
+    ids = torch.tensor([[5, 6, 7]])
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    assert out.token_ids == want

@@ -162,7 +162,8 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
     """Raise ValueError when the paged forward does not reproduce the model's own logits (see the module doc).
     Returns the sliding window every layer applies, or None."""
     dtype = next(model.parameters()).dtype
-    key = (backends.name, str(dtype), str(spec.kv.device), _window_fields(model.config))
+    # the verdict depends on the mode too: dropout in training mode makes no two forwards agree
+    key = (backends.name, str(dtype), str(spec.kv.device), _window_fields(model.config), model.training)
     verdicts = model.__dict__.setdefault("_hf_paged_probe", {})
     windows = model.__dict__.setdefault("_hf_paged_window", {})
     if key in verdicts:

@@ -18,6 +18,8 @@ import weakref
 import torch
 from torch.nn.modules import module as torch_module
 
+from ..config import logger
+
 # attributes of PEFT's adapter layers that decide what they compute (read only where a module has them)
 ADAPTER_STATE = ("_disable_adapters", "_active_adapter", "merged_adapters", "scaling", "active_adapters")
 
@@ -77,6 +79,10 @@ def _layout(model: torch.nn.Module) -> tuple:
     # which tensors: ids with weak references (equal while they live, never equal to a freed tensor's, whose id and
     # storage a new one may reuse; no replaced weights kept alive); an unrelated registration lists an equal one
     identity = tuple((id(t), weakref.ref(t)) for t in tensors)
+    if found is None and any(t.is_inference() for t in tensors):
+        logger.warning("hf_paged: some of this model's weights are inference tensors (made under "
+                       "torch.inference_mode()): in-place changes to them are invisible to the prefix cache; call "
+                       "LLM.reset_prefix_cache() after changing them")
     found = (_Registrations.count, tensors, adapters, identity, slots)
     _listed[model] = found
     return found

@@ -220,3 +220,64 @@ def test_a_tensor_put_into_a_private_dict_is_seen(model):
     proj = model.model.layers[0].self_attn.q_proj
     proj._parameters["weight"] = torch.nn.Parameter(proj.weight.detach() * 2)
     assert weights_fingerprint(model) != before
+
+
+def test_a_stale_request_under_a_sliding_window_still_gives_blocks_back():
+    """Found by review: a request running across a change never published again, and the window's release (capped at
+    its published blocks) stopped: its blocks grew without bound."""
+    from hf_paged.kv.manager import held
+
+    mistral = tiny_model("mistral", seed=3)
+    llm = LLM(mistral, block_size=4, attention_backend="torch")
+    assert llm.engine.scheduler.release_window
+    llm.add_request([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+                    request_id="A")
+    llm.step()
+    llm.step()
+    with torch.no_grad():
+        for p in mistral.parameters():
+            p.mul_(1.01)
+    most = 0
+    while llm.has_unfinished_requests():
+        llm.step()
+        group = llm.engine.groups.get("A")
+        if group is not None:
+            most = max(most, len(held(group.samples[0].block_table)))
+    assert most <= 3
+
+
+def test_a_stale_request_recomputed_publishes_findable_blocks(model):
+    """Found by review: recomputed after a change, a request kept its keys from the old root, so what it then
+    published (correct K/V) could never be found."""
+    llm = LLM(model, block_size=4, attention_backend="torch")
+    scheduler = llm.engine.scheduler
+    prompt = list(range(10, 23))
+    llm.add_request(prompt, greedy(3), request_id="A")
+    llm.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)
+    llm.step()
+    with llm.engine.lock:
+        scheduler.recompute(scheduler.running[0])
+    while llm.has_unfinished_requests():
+        llm.step()
+    got = llm.generate([prompt + [99]], greedy(2), use_tqdm=False)[0]
+    assert got.num_cached_tokens == 12
+    assert got.token_ids == LLM(model, block_size=4).generate([prompt + [99]], greedy(2), use_tqdm=False)[0].token_ids
+
+
+def test_the_registration_hooks_accept_unhashable_modules(model):
+    """Found by review: the fingerprint's global hooks kept modules in a WeakSet, so after hf_paged ran, building any
+    module whose class defines __eq__ without __hash__ raised TypeError, anywhere in the process."""
+
+    class Unhashable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def __eq__(self, other):
+            return self is other
+
+    serve(LLM(model, block_size=8), prompts(0))
+    Unhashable()

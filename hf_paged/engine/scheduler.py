@@ -93,7 +93,17 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.kv.free(request)
+        self._forget_stale(request)
         self.waiting.appendleft(request)
+
+    @staticmethod
+    def _forget_stale(request: Request) -> None:
+        """A request recomputed from its tokens holds nothing from before a context change any more: its keys (made
+        under the old root) go, and it publishes again."""
+        if request.stale_kv:
+            request.stale_kv = False
+            request.block_hashes = []
+            request.num_published_blocks = 0
 
     # ---- one step -----------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -221,6 +231,7 @@ class Scheduler:
             self.counters["num_recomputed_tokens"] += request.num_computed_tokens
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
+            self._forget_stale(request)
         self.kv.free(request)
         request.num_preemptions += 1
         self.counters["num_preemptions"] += 1
@@ -284,7 +295,7 @@ class Scheduler:
         prefix cache holds now."""
         if not self.kv.enable_prefix_caching:
             return False
-        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens and not r.stale_kv]
         if not prefilling:
             return False
         cached = len(self.kv.computed_blocks(request))

@@ -279,8 +279,8 @@ class KVCacheManager:
         not clean: a forward pass may have written non-finite K/V into them that no sampled row has revealed yet (a
         prompt's chunks), so each is cleared before it is handed out again. Returns how many blocks went back."""
         count = max(first_needed, 0) // self.block_size
-        if self.enable_prefix_caching:  # the last published block stays: the next one to publish chains to it
-            count = min(count, request.num_published_blocks - 1)
+        if self.enable_prefix_caching and not request.stale_kv:  # the last published block stays: the next one to
+            count = min(count, request.num_published_blocks - 1)  # publish chains to it (a stale one publishes none)
         if count <= 0:
             return 0
         table = request.block_table

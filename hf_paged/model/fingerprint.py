@@ -31,7 +31,21 @@ class _Registrations:
 
     count = 0
     handles: list = []
-    watched: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+    # id -> weak reference of the listed models' modules (not a WeakSet: a module class may define __eq__ without
+    # __hash__, and the hooks see every module of the process)
+    watched: dict[int, weakref.ref] = {}
+
+    @classmethod
+    def watch(cls, module: torch.nn.Module) -> None:
+        key = id(module)
+        ref = cls.watched.get(key)
+        if ref is None or ref() is not module:
+            cls.watched[key] = weakref.ref(module, lambda dead, key=key: cls._forget(key, dead))
+
+    @classmethod
+    def _forget(cls, key: int, dead: weakref.ref) -> None:
+        if cls.watched.get(key) is dead:
+            del cls.watched[key]
 
     @classmethod
     def install(cls) -> None:
@@ -44,7 +58,8 @@ class _Registrations:
 
     @classmethod
     def _bump(cls, module, name, value):
-        if module in cls.watched:
+        ref = cls.watched.get(id(module))
+        if ref is not None and ref() is module:
             cls.count += 1  # returns None: the registered object is kept as given
 
     @classmethod
@@ -67,7 +82,7 @@ def _layout(model: torch.nn.Module) -> tuple:
         return found
     tensors, adapters, slots = [], [], []
     for module in model.modules():
-        _Registrations.watched.add(module)
+        _Registrations.watch(module)
         for where in (module._parameters, module._buffers):
             for name, t in where.items():
                 if t is not None:
@@ -75,7 +90,7 @@ def _layout(model: torch.nn.Module) -> tuple:
                     slots.append((where, name))
         state = module.__dict__
         if "_disable_adapters" in state or "_active_adapter" in state or "merged_adapters" in state:
-            adapters.append(module)
+            adapters.append(weakref.ref(module))  # weak: the model itself may be one (the cache must not keep it)
     # which tensors: ids with weak references (equal while they live, never equal to a freed tensor's, whose id and
     # storage a new one may reuse; no replaced weights kept alive); an unrelated registration lists an equal one
     identity = tuple((id(t), weakref.ref(t)) for t in tensors)
@@ -103,7 +118,8 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple:
         versions = [(t._version, t.data_ptr()) for t in tensors]
     except RuntimeError:
         versions = [(_version(t), t.data_ptr()) for t in tensors]
-    states = [(name, repr(m.__dict__[name])) for m in adapters for name in ADAPTER_STATE if name in m.__dict__]
+    states = [(name, repr(state[name])) for state in (ref().__dict__ for ref in adapters if ref() is not None)
+              for name in ADAPTER_STATE if name in state]
     return model.training, identity, versions, states
 
 

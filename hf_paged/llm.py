@@ -65,12 +65,6 @@ class LLM:
     def _unclaimed(self, request_id: str) -> bool:
         return request_id not in self._claimed
 
-    def _advance(self) -> None:
-        """One engine step if the engine has work."""
-        with self.engine.lock:
-            if self.engine.has_unfinished:
-                self.engine.step()
-
     def _collect(self, owned, build) -> list[RequestOutput]:
         """Outputs of the requests `owned(request_id)` accepts that changed since they were last collected: `build`
         (group, sample indices) gives each one's outputs. Nothing is taken until all are built (an error while
@@ -127,7 +121,7 @@ class LLM:
                     yield out
                 unfinished.intersection_update(self.engine.groups)  # aborted meanwhile (`abort`): nothing to wait for
                 if unfinished and not outs:
-                    self._advance_for(unfinished)
+                    self._advance(unfinished)
         finally:
             for request_id in unfinished:
                 self.engine.abort(request_id)
@@ -145,9 +139,10 @@ class LLM:
         self._claimed.update(ids)
         return set(ids)
 
-    def _advance_for(self, waiting: set[str]) -> None:
-        """Step once for a call still waiting for `waiting`; with no work left in the engine their results must
-        already be marked (another caller stepped), else something is broken: say so instead of spinning."""
+    def _advance(self, waiting: set[str] = frozenset()) -> None:
+        """One engine step if the engine has work. With none, the results of `waiting` (a call's requests still
+        unfinished) must already be marked (another caller stepped), else something is broken: say so instead of
+        spinning."""
         with self.engine.lock:
             if self.engine.has_unfinished:
                 self.engine.step()
@@ -282,7 +277,7 @@ class LLM:
             if missing:  # aborted by another caller: nothing will come
                 raise RuntimeError(f"requests {sorted(missing)[:5]} of this generate call were aborted meanwhile")
             if pending and not outs:
-                self._advance_for(pending)
+                self._advance(pending)
         if bar is not None:
             bar.close()
         return finished

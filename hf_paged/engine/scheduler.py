@@ -85,16 +85,8 @@ class Scheduler:
         return found + [child for request in found for child in request.forks]
 
     def recompute(self, request: Request) -> None:
-        """Preempt a running request by recompute (outside any plan)."""
-        self.running.remove(request)
-        self.counters["num_recomputed_tokens"] += request.num_computed_tokens
-        self.counters["num_preemptions"] += 1
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.kv.free(request)
-        self._forget_stale(request)
-        self.waiting.appendleft(request)
+        """Preempt a running request by recompute, outside any step's plan (an undone step's victim)."""
+        self._preempt(request, StepPlan(), allow_swap=False)
 
     @staticmethod
     def _forget_stale(request: Request) -> None:
@@ -210,7 +202,7 @@ class Scheduler:
         return mode == "swap" or self.costs.swap_is_cheaper(num_blocks * self.swap.bytes_per_block,
                                                             request.num_computed_tokens)
 
-    def _preempt(self, request: Request, plan: StepPlan) -> int:
+    def _preempt(self, request: Request, plan: StepPlan, allow_swap: bool = True) -> int:
         """Free the request's device blocks: the blocks holding its computed K/V go to host swap space, or its
         tokens are recomputed later. Swap copies run before this step's forward pass touches the freed blocks.
         Returns the tokens given back to the step's budget (the request may already have been placed)."""
@@ -219,7 +211,7 @@ class Scheduler:
         returned = plan.remove(request)
         computed = blocks_needed(request.num_computed_tokens, self.kv.block_size)
         released = released_prefix(request.block_table)  # a window's given-back blocks: nothing to save
-        if self._should_swap(request, computed - released):
+        if allow_swap and self._should_swap(request, computed - released):
             host = self.swap.allocate(computed - released)
             # swap-outs run before the copy-on-write copies: a block just copied-on-write is saved from its source
             plan.swap_out.append((self.kv.current_contents(request.block_table[released:computed]), host))

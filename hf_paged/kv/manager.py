@@ -152,7 +152,6 @@ class KVCacheManager:
         """Start the request's table with its prefix hits. Returns how many tokens they hold (computed already)."""
         self.pool.touch(hits)
         request.block_table = [block.block_id for block in hits]
-        request.stale_kv = False  # everything it holds from here on is computed under the context in force
         return len(hits) * self.block_size
 
     def count_lookup(self, request: Sequence, num_hit_tokens: int) -> None:

@@ -78,6 +78,8 @@ class Request:
     num_published_blocks: int = 0  # leading table blocks already in the prefix map
     stale_kv: bool = False  # holds K/V computed before what produces K/V changed: publishes nothing (kv.manager)
     swapped_blocks: list[int] = field(default_factory=list)  # host swap blocks while SWAPPED
+    state_slot: int = -1  # its slot in the state layers' `StateSlots` while it holds one (hybrid models)
+    swapped_state: dict | None = None  # its state layers' state in host memory while SWAPPED
     forks: list["Request"] = field(default_factory=list)  # other samples of this prompt, started from it
     # HF's right padding: the first output is sampled from the logits of this (token id, position), a query that
     # attends to the whole prompt and whose own K/V are never stored; outputs then continue from its position + 1
@@ -175,14 +177,15 @@ class Request:
                 self.finish_reason, self.error, self.stop_reason, None if self.logprobs is None else len(self.logprobs),
                 None if self.generator is None else self.generator.get_state(), self.num_preemptions,
                 self.first_token_time, self.finished_time, self.num_cached_tokens, len(self.block_hashes),
-                self.num_published_blocks, list(self.swapped_blocks), list(self.forks), self.stale_kv)
+                self.num_published_blocks, list(self.swapped_blocks), list(self.forks), self.stale_kv,
+                self.state_slot, self.swapped_state)
 
     def restore(self, saved: tuple) -> None:
         """Put back what `snapshot` saw (a failed step is undone; outputs only ever grow within one)."""
         (self.status, self.num_computed_tokens, self.block_table, num_outputs, self.finish_reason, self.error,
          self.stop_reason, num_logprobs, generator_state, self.num_preemptions, self.first_token_time,
          self.finished_time, self.num_cached_tokens, num_hashes, self.num_published_blocks, self.swapped_blocks,
-         self.forks, self.stale_kv) = saved
+         self.forks, self.stale_kv, self.state_slot, self.swapped_state) = saved
         del self.output_token_ids[num_outputs:]
         del self.all_token_ids[len(self.prompt_token_ids) + num_outputs:]
         if num_logprobs is not None:

@@ -65,6 +65,53 @@ def tiny_model(arch: str = "llama", seed: int = 0, sharpen: float = 8.0, dtype=t
     return model.eval()
 
 
+_THREE_TO_ONE = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               head_dim=16)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)
+# hybrid / state-space stacks, 4 layers holding every layer type of the family's own pattern (3 state : 1 attention
+# where the family mixes them), sizes that fit a hidden size of 64
+HYBRIDS = {
+    "qwen3_5_text": dict(layer_types=_THREE_TO_ONE, **_LINEAR),
+    "qwen3_next": dict(layer_types=_THREE_TO_ONE, **_LINEAR),
+    "olmo_hybrid": dict(layer_types=_THREE_TO_ONE, **_LINEAR),
+    "nemotron_h": dict(layer_types=["linear_attention", "moe", "full_attention", "mlp"], head_dim=16,
+                       mamba_num_heads=8, mamba_head_dim=16, n_groups=1, ssm_state_size=16, chunk_size=16),
+    "falcon_h1": dict(head_dim=16, mamba_d_ssm=128, **_MAMBA),
+    "granitemoehybrid": dict(layer_types=["mamba", "mamba", "mamba", "attention"], **_MAMBA),
+    "bamba": dict(attn_layer_indices=[3], **_MAMBA),
+    "jamba": dict(attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=2, mamba_d_state=8, use_mamba_kernels=False),
+    "zamba2": dict(layers_block_type=["mamba", "mamba", "hybrid", "mamba"], hybrid_layer_ids=[2], mamba_d_state=16,
+                   n_mamba_heads=8, use_mamba_kernels=False, chunk_size=16, attention_head_dim=16),
+    "lfm2": dict(layer_types=["conv", "conv", "conv", "full_attention"]),
+    "lfm3": dict(layer_types=["conv", "conv", "sliding_attention", "full_attention"]),
+    "mamba2": dict(num_heads=8, head_dim=16, expand=2, n_groups=1, state_size=16, chunk_size=16),
+    "mamba": dict(state_size=8),
+    "falcon_mamba": dict(state_size=8),
+    "zaya": dict(head_dim=16),
+}
+
+
+def tiny_hybrid(model_type: str, seed: int = 0, sharpen: float = 8.0, layers: int = 4, hidden: int = 64,
+                vocab_size: int = 256, dtype=torch.float32, **overrides):
+    """A random-weight hybrid (attention + state layers) or state-space causal LM of `model_type` (one of
+    `HYBRIDS`), in eval mode, its output head scaled by `sharpen`."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    sizes = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, intermediate_size=hidden * 2,
+                 vocab_size=vocab_size, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 tie_word_embeddings=False, num_hidden_layers=layers)
+    config = CONFIG_MAPPING[model_type](**{**sizes, **HYBRIDS[model_type], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
+    return model.eval()
+
+
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0-3, matching tiny_config's pad / bos / eos ids
 CHAT_TEMPLATE = ("{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant] {% endif %}")

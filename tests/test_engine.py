@@ -170,11 +170,14 @@ def test_streaming_api_add_step_abort(llama):
 
 
 def test_unsupported_models_get_a_clear_error():
-    from transformers import AutoModelForCausalLM, MambaConfig, T5Config, T5ForConditionalGeneration
+    from transformers import AutoModelForCausalLM, MiniMaxConfig, T5Config, T5ForConditionalGeneration
 
-    mamba = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1))
-    with pytest.raises(ValueError, match="mamba"):
-        LLM(mamba)
+    # minimax keeps its linear-attention state in a cache class of its own (mamba & co. are served: test_hybrid_engine)
+    minimax = AutoModelForCausalLM.from_config(MiniMaxConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=16, num_local_experts=2, layer_types=["linear_attention", "full_attention"])).eval()
+    with pytest.raises(ValueError, match="minimax.*has state layers"):
+        LLM(minimax)
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
     with pytest.raises(ValueError, match="encoder-decoder"):
         t5.generate(torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="paged")

@@ -220,7 +220,8 @@ class DecodeGraphRunner:
         query = torch.empty(1, text.num_attention_heads, cache.spec.head_dim,
                             dtype=next(model.parameters()).dtype, device=self.runner.device)
         try:
-            backend = self.runner.backends.backend_for(query, cache.key_caches[0], self._batch(1).metadata, None, None)
+            keys = next(k for k in cache.key_caches if k is not None)
+            backend = self.runner.backends.backend_for(query, keys, self._batch(1).metadata, None, None)
         except Exception as e:  # noqa: BLE001 - the reason is reported, the step runs eagerly
             return f"no attention backend for a decode step: {e}"
         if not backend.graph_capturable:

@@ -10,6 +10,7 @@ import torch
 from ..attention.dispatch import unavailable
 from ..config import EngineConfig
 from ..kv import KVCacheManager
+from ..kv.state import StateSlots
 from ..model import check_paged_matches_model, describe_model
 from ..model.fingerprint import weights_fingerprint
 from ..model.kv_calibration import fp8_kv_scales
@@ -57,16 +58,21 @@ class Engine:
         if reason is not None:
             raise ValueError(f"attention_backend {self.config.attention_backend!r} cannot run on {device}: {reason}")
         if self.config.kv_cache_dtype == "fp8_e4m3":
+            if self.spec.has_state:
+                raise ValueError("kv_cache_dtype='fp8_e4m3' is not supported on models with state layers yet")
             self.spec.kv.dtype = torch.float8_e4m3fn
         check_model_len(self.config, self.spec.max_model_len)
         self.max_model_len = self.config.max_model_len or self.spec.max_model_len
         self.memory = KVMemory(self.spec.kv, self.config)
-        kv = KVCacheManager(self.memory.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        # state layers: one slot per running request (no prefix hits there: see KVCacheManager)
+        states = StateSlots(device, self.config.max_num_seqs) if self.spec.has_state else None
+        kv = KVCacheManager(self.memory.num_blocks, self.config.block_size, self.config.enable_prefix_caching, states)
         costs = PreemptionCosts(copy_bytes_per_s=self.memory.copy_bytes_per_s) if self.memory.swap else None
         detokenize = self.detokenize if tokenizer is not None else None
         self.scheduler = Scheduler(self.config, kv, self.memory.swap, costs, self.max_model_len, detokenize)
-        graphs = DecodeGraphSettings.for_engine(self.config, device, self.memory.num_blocks, self.max_model_len)
-        self.runner = ModelRunner(model, self.spec, self.memory.cache, self.config.attention_backend, graphs)
+        graphs = None if states is not None else DecodeGraphSettings.for_engine(
+            self.config, device, self.memory.num_blocks, self.max_model_len)
+        self.runner = ModelRunner(model, self.spec, self.memory.cache, self.config.attention_backend, graphs, states)
         # refuse a model we would serve wrong; one window on every layer: blocks behind it go back to the pool
         self.scheduler.release_window = check_paged_matches_model(model, self.spec, self.runner.backends)
         if self.memory.cache.quantized:  # fixed before any request stores K/V; graphs bake them in, so capture after
@@ -280,6 +286,8 @@ class Engine:
         if self.scheduler.has_work:
             raise AssertionError("requests are still queued or running")
         self.scheduler.kv.pool.check_all_free()
+        if self.scheduler.kv.states is not None:
+            self.scheduler.kv.states.check_all_free()
         self.memory.check_swap_idle()
 
 

@@ -70,7 +70,7 @@ class KVMemory:
                                  else None)
 
     def _make_swap_pool(self, spec: KVCacheSpec, config: EngineConfig) -> SwapPool | None:
-        if config.preemption_mode == "recompute":
+        if config.preemption_mode == "recompute" or not spec.stored_layers:
             return None
         budget = config.swap_space
         budget = default_swap_bytes(spec.device) if budget is None else budget

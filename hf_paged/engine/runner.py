@@ -9,8 +9,10 @@ import time
 
 from ..attention import AttentionMetadata, choose_backends
 from ..kv import NULL_BLOCK, KVCache
+from ..kv.state import StateSlots
 from ..model import (ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock, paged_attention_active,
                      require_enabled)
+from ..model.state_layers import StateStep
 from ..sampling import Sampler
 from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
 from .plan import StepOutcome, StepPlan
@@ -23,6 +25,7 @@ class StepInputs:
     position_ids: torch.Tensor  # [1, T]
     token_type_ids: torch.Tensor | None  # [1, T] when the requests carry token types
     metadata: AttentionMetadata
+    states: StateStep | None  # where each sequence's state-layer state is (models with state layers)
     sample_rows: torch.Tensor  # packed row of each sampled request's last token
     sampled: list[int]  # index into the batch of each request that samples this step
 
@@ -35,8 +38,9 @@ class ModelRunner:
     reads the prompt's pages and writes its K/V to the null block."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, kv_cache: KVCache, backend: str = "torch",
-                 graphs: DecodeGraphSettings | None = None):
+                 graphs: DecodeGraphSettings | None = None, states: StateSlots | None = None):
         self.model = model
+        self.states = states
         self.spec = spec
         self.kv_cache = kv_cache
         self.backend = backend
@@ -67,10 +71,12 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_lens, context_lens, tables, sample_rows, sampled = [], [], [], [], []
+        sequences = []  # (first row, rows, state slot, fresh, store): the state layers' view of the packing
         types: list[int] | None = [] if batch.requests[0].token_types is not None else None
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             end = start + n
+            sequences.append((len(input_ids), n, request.state_slot, start == 0, True))
             input_ids.extend(request.all_token_ids[start:end])
             if types is not None:
                 types.extend(request.types(start, end))
@@ -83,6 +89,7 @@ class ModelRunner:
             if end == request.num_tokens:
                 if request.needs_first_query:  # one more sequence: a query over the whole prompt, storing nothing
                     token, position = request.first_query
+                    sequences.append((len(input_ids), 1, request.state_slot, False, False))
                     input_ids.append(token)
                     if types is not None:
                         types.append(request.token_types[1])
@@ -100,6 +107,7 @@ class ModelRunner:
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             token_type_ids=None if types is None else torch.tensor([types], dtype=torch.long, device=device),
             metadata=metadata,
+            states=None if self.states is None else StateStep.build(self.states, sequences, device),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
             sampled=sampled,
         )
@@ -111,13 +119,14 @@ class ModelRunner:
         if isinstance(inputs, PaddedDecode):
             return self.graphs.run(inputs)
         return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows,
-                            inputs.token_type_ids)
+                            inputs.token_type_ids, inputs.states)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
-                sample_rows: torch.Tensor | None, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+                sample_rows: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
+                states: StateStep | None = None) -> torch.Tensor:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
         decode graphs (captured or not) both run exactly this."""
-        context = PagedForwardContext(metadata, self.kv_cache, self.backends)
+        context = PagedForwardContext(metadata, self.kv_cache, self.backends, states=states)
         kwargs = {}
         if sample_rows is not None and self.spec.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = sample_rows

@@ -216,6 +216,8 @@ class Scheduler:
             # swap-outs run before the copy-on-write copies: a block just copied-on-write is saved from its source
             plan.swap_out.append((self.kv.current_contents(request.block_table[released:computed]), host))
             request.swapped_blocks = [RELEASED] * released + host
+            if request.state_slot >= 0:  # its state layers' state goes to host memory now, before any forward
+                request.swapped_state = self.kv.states.save(request.state_slot)
             request.status = RequestStatus.SWAPPED
             self.counters["num_swap_outs"] += 1
             self.counters["num_blocks_swapped"] += computed - released
@@ -240,6 +242,10 @@ class Scheduler:
             return False
         device = self.kv.allocate_blocks(len(host))
         request.block_table = [NULL_BLOCK] * released + device
+        if request.swapped_state is not None:
+            self.kv.take_state_slot(request)
+            self.kv.states.load(request.state_slot, request.swapped_state)
+            request.swapped_state = None
         plan.swap_in.append((host, list(device)))  # a copy: the table grows on in this step
         request.swapped_blocks = []
         self.counters["num_swap_ins"] += 1
@@ -357,6 +363,7 @@ class Scheduler:
         if request.swapped_blocks:
             self.swap.free([h for h in request.swapped_blocks if h != RELEASED])
             request.swapped_blocks = []
+        request.swapped_state = None
 
 
 RELEASED = -1  # in a swapped request's `swapped_blocks`: a slot of its table that a sliding window gave back

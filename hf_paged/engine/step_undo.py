@@ -19,7 +19,8 @@ class StepUndo:
     Device memory cannot be put back: blocks handed out during the failed step may have been cleared, copied into,
     swapped into or written by the forward pass. They leave the prefix map and count as not clean (`kv.rollback`);
     a request that held one before the step (it was freed and handed out again within it) is recomputed from its
-    tokens, and the block holding a running request's next slot is cleared before its next use elsewhere.
+    tokens, and the block holding a running request's next slot is cleared before its next use elsewhere. State
+    slots are written in place by the forward pass: a running request holding one is recomputed too.
     """
 
     def __init__(self, scheduler: "Scheduler"):
@@ -90,7 +91,9 @@ class StepUndo:
     def _distrust(self, written: set[int]) -> None:
         s = self.scheduler
         for request in list(s.running):
-            if any(block in written for block in request.block_table):
+            if request.state_slot >= 0 and request.num_computed_tokens:  # its state may hold this step's tokens
+                s.recompute(request)
+            elif any(block in written for block in request.block_table):
                 s.recompute(request)
             else:  # the forward pass may have written past its computed tokens: that block is cleared when reused
                 s.kv.distrust_tail(request)

@@ -19,25 +19,34 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    # the layers that keep K/V (None: every layer); the others (state layers of a hybrid stack) get no pages
+    attention_layers: tuple[int, ...] | None = None
+
+    @property
+    def stored_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.num_layers)) if self.attention_layers is None else self.attention_layers
 
     def bytes_per_block(self, block_size: int) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * len(self.stored_layers) * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 class KVCache:
     """One allocation, viewed as `key_caches[layer]` / `value_caches[layer]` (NHD page layout, the
-    one FlashAttention and FlashInfer read). Allocated with torch.empty: pages the engine never hands
-    out are never touched, so they cost no resident memory on CPU."""
+    one FlashAttention and FlashInfer read; None for a layer that keeps no K/V). Allocated with torch.empty: pages
+    the engine never hands out are never touched, so they cost no resident memory on CPU."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int):
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        stored = spec.stored_layers
+        shape = (len(stored), 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.storage = torch.empty(shape, dtype=spec.dtype, device=spec.device)
-        self.key_caches = [self.storage[i, 0] for i in range(spec.num_layers)]
-        self.value_caches = [self.storage[i, 1] for i in range(spec.num_layers)]
+        self.key_caches: list[torch.Tensor | None] = [None] * spec.num_layers
+        self.value_caches: list[torch.Tensor | None] = [None] * spec.num_layers
+        for i, layer in enumerate(stored):
+            self.key_caches[layer], self.value_caches[layer] = self.storage[i, 0], self.storage[i, 1]
         # fp8 caches: per-layer (k_scale, v_scale), fixed once by `set_scales` before the first K/V is stored (the
         # engine calibrates them at start, model/kv_calibration.py); unquantized caches: always (1.0, 1.0)
         self.quantized = self.storage.element_size() == 1
@@ -84,10 +93,15 @@ class KVCache:
         return self.storage.numel() * self.storage.element_size()
 
 
+NO_KV_BLOCKS = 4096  # the pool of a model without attention layers (its blocks hold nothing)
+
+
 def choose_num_blocks(spec: KVCacheSpec, block_size: int, num_blocks: int | None, byte_budget: int) -> int:
     """`num_blocks` when given, else as many blocks as fit in `byte_budget`."""
     if num_blocks is not None:
         return num_blocks
+    if not spec.stored_layers:  # state layers only: blocks are bookkeeping (token counts), they hold no memory
+        return NO_KV_BLOCKS
     count = byte_budget // spec.bytes_per_block(block_size)
     if count < 1:
         raise ValueError(f"kv_cache_memory of {byte_budget} bytes holds no block of "

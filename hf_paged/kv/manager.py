@@ -5,6 +5,7 @@ from typing import Protocol
 
 from .block_pool import NULL_BLOCK, Block, BlockPool
 from .hashing import hash_block
+from .state import StateSlots
 
 
 class Sequence(Protocol):
@@ -15,6 +16,7 @@ class Sequence(Protocol):
     block_hashes: list[bytes]
     num_published_blocks: int
     stale_kv: bool  # holds K/V computed before the context changed: never published (see `set_context`)
+    state_slot: int  # its slot in `states` while it holds memory (models with state layers), else -1
     all_token_ids: list[int]
     num_computed_tokens: int
 
@@ -43,12 +45,18 @@ class KVCacheManager:
     non-finite) are reported once by `take_blocks_to_clear` when handed out. On a model whose every layer attends
     through one sliding window, `release_behind` gives back the blocks behind it: their table entries become the null
     block (never counted, never freed), always a leading run of the table.
+
+    On a model with state layers (`states`), every sequence that holds blocks also holds one state slot: taken when
+    it is admitted or forked (a fork's slot gets a copy of its parent's state), given back by `free`. No prefix hit is
+    ever served there (a hit would need the state at the hit point too).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 states: StateSlots | None = None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.enable_prefix_caching = enable_prefix_caching
+        self.states = states
+        self.enable_prefix_caching = enable_prefix_caching and states is None
         self.hit_tokens = 0
         self.query_tokens = 0
         self._fresh: list[int] = []  # handed out since the last take_blocks_to_clear() and not clean
@@ -68,10 +76,14 @@ class KVCacheManager:
     def begin(self) -> None:
         """Record from now on (see `BlockPool.begin`); the pending lists and the clean flags are copied."""
         self.pool.begin()
+        if self.states is not None:
+            self.states.begin()
         self._saved = (list(self._fresh), list(self._copies), bytes(self._clean), self.hit_tokens, self.query_tokens)
 
     def commit(self) -> None:
         self.pool.commit()
+        if self.states is not None:
+            self.states.commit()
         self._saved = None
 
     def rollback(self) -> set[int]:
@@ -80,6 +92,8 @@ class KVCacheManager:
         swapped into, or by a forward pass), so they count as not clean and are out of the prefix map; a sequence
         that holds one after the caller's restore must not trust its contents."""
         allocated = self.pool.rollback()
+        if self.states is not None:
+            self.states.rollback()
         if self._saved is not None:
             fresh, copies, clean, self.hit_tokens, self.query_tokens = self._saved
             self._fresh, self._copies, self._clean = fresh, copies, bytearray(clean)
@@ -152,7 +166,13 @@ class KVCacheManager:
         """Start the request's table with its prefix hits. Returns how many tokens they hold (computed already)."""
         self.pool.touch(hits)
         request.block_table = [block.block_id for block in hits]
+        self.take_state_slot(request)
         return len(hits) * self.block_size
+
+    def take_state_slot(self, request: Sequence) -> None:
+        """Give `request` a state slot if the model has state layers and it holds none."""
+        if self.states is not None and request.state_slot < 0:
+            request.state_slot = self.states.allocate()
 
     def count_lookup(self, request: Sequence, num_hit_tokens: int) -> None:
         """Hit / query counters, once per admission that went through."""
@@ -200,6 +220,9 @@ class KVCacheManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_published_blocks = parent.num_published_blocks
         child.stale_kv = parent.stale_kv
+        if self.states is not None:
+            self.take_state_slot(child)
+            self.states.copy(parent.state_slot, child.state_slot)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies to run before the next forward pass."""
@@ -270,6 +293,9 @@ class KVCacheManager:
         self.pool.free(held(request.block_table))
         request.block_table = []
         request.num_published_blocks = 0
+        if getattr(request, "state_slot", -1) >= 0:
+            self.states.free(request.state_slot)
+            request.state_slot = -1
 
     def release_behind(self, request: Sequence, first_needed: int) -> int:
         """Give back the blocks that hold only slots before `first_needed` (a sliding window's next queries never read

@@ -63,7 +63,7 @@ class SwapPool:
 
     def __init__(self, cache: KVCache, num_blocks: int, copy: BlockCopy = copy_blocks):
         self.copy = copy  # how blocks move between the cache and the pool (the CUDA kernel where it is built)
-        shape = (cache.spec.num_layers, 2, num_blocks, *cache.storage.shape[3:])
+        shape = (cache.storage.shape[0], 2, num_blocks, *cache.storage.shape[3:])
         pin = cache.storage.device.type == "cuda"
         self.storage = torch.empty(shape, dtype=cache.storage.dtype, device="cpu", pin_memory=pin)
         self.num_blocks = num_blocks

@@ -27,6 +27,7 @@ class PagedForwardContext:
     backends: AttentionBackends
     num_calls: int = 0  # attention calls that reached the paged function in this forward (one per layer)
     windows: list | None = None  # the start-up check's list: gets the sliding_window each call passed (None: none)
+    states: object = None  # the step's `state_layers.StateStep` on a model with state layers
 
 
 # keywords an attention module may pass that change nothing here (the engine's own, or flags it already honours)

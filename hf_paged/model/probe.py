@@ -28,9 +28,11 @@ import torch
 
 from ..attention import AttentionBackends, AttentionMetadata
 from ..kv import KVCache
+from ..kv.state import StateSlots
 from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_attention_active
 from .spec import ModelSpec
+from .state_layers import StateStep, cache_keyword
 
 # the step boundaries of each sequence (its length last): step s runs tokens cuts[s-1]:cuts[s] of every sequence, so
 # each step mixes prefills from 0, chunks after cached context (crossing blocks) and single-token decodes
@@ -50,6 +52,7 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
     cache = KVCache(dataclasses.replace(spec.kv, dtype=dtype), 1 + blocks_per_sequence * len(sequences), BLOCK_SIZE)
     cache.storage.zero_()
     tables = [[1 + i * blocks_per_sequence + b for b in range(blocks_per_sequence)] for i in range(len(sequences))]
+    states = StateSlots(device, len(sequences)) if spec.has_state else None
     results = []
     for step in range(len(STEPS[0])):
         ids, positions, slots, query_lens, context_lens = [], [], [], [], []
@@ -61,7 +64,7 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
             query_lens.append(last - first)
             context_lens.append(last)
         metadata = AttentionMetadata.build(query_lens, context_lens, tables, slots, BLOCK_SIZE, device)
-        context = PagedForwardContext(metadata, cache, backends, windows=[])
+        context = PagedForwardContext(metadata, cache, backends, windows=[], states=_states(states, query_lens, step))
         with paged_attention_active(spec.configs):
             out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
                         use_cache=False, paged_context=context)
@@ -74,16 +77,27 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
     return results, window if valid else None
 
 
+def _states(slots: StateSlots | None, query_lens: list[int], step: int) -> StateStep | None:
+    """Sequence i in slot i, starting from no state in the first step."""
+    if slots is None:
+        return None
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    sequences = [(start, length, i, step == 0, True) for i, (start, length) in enumerate(zip(starts, query_lens))]
+    return StateStep.build(slots, sequences, slots.device)
+
+
 def _check_calls(model, spec: ModelSpec, calls: int) -> None:
-    """Every layer's attention must have reached the paged function exactly once in the forward."""
-    if calls == spec.kv.num_layers:
+    """Every attention layer (every layer but the state layers) must have reached the paged function exactly once in
+    the forward."""
+    layers = len(spec.kv.stored_layers)
+    if calls == layers:
         return
     model_type = getattr(model.config, "model_type", type(model).__name__)
-    if calls > spec.kv.num_layers:
-        raise UnsupportedAttention(f"model type {model_type!r}: its {spec.kv.num_layers} layers call attention "
+    if calls > layers:
+        raise UnsupportedAttention(f"model type {model_type!r}: its {layers} layers call attention "
                                    f"{calls} times per forward (e.g. differential attention); the paged cache holds "
                                    f"one K/V per layer")
-    raise UnsupportedAttention(f"model type {model_type!r}: {calls} of its {spec.kv.num_layers} layers route "
+    raise UnsupportedAttention(f"model type {model_type!r}: {calls} of its {layers} layers route "
                                f"attention through transformers' AttentionInterface, so its KV cache cannot be paged")
 
 
@@ -94,6 +108,21 @@ def _own_logits(model, ids: list[int], device) -> torch.Tensor:
     if "position_ids" in inspect.signature(model.forward).parameters:
         kwargs["position_ids"] = torch.arange(len(ids), device=device)[None]
     return model(input_ids=torch.tensor([ids], device=device), **kwargs).logits[0, -1].float()
+
+
+def _own_stepped_logits(model, ids: list[int], cuts: tuple, device) -> list[torch.Tensor]:
+    """The model's own last logits after each cut, run step by step on transformers' own cache as HF's generate runs
+    it (a state layer's result depends on how its input was split: a prefill, chunks after a state, single tokens)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache, results, first = DynamicCache(config=model.config), [], 0
+    for last in cuts:
+        out = model(input_ids=torch.tensor([ids[first:last]], device=device),
+                    position_ids=torch.arange(first, last, device=device)[None], use_cache=True,
+                    **{cache_keyword(model.forward): cache})
+        results.append(out.logits[0, -1].float())
+        first = last
+    return results
 
 
 @torch.inference_mode()
@@ -184,8 +213,12 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             # as the model's verdict: the failure may be passing (the next engine checks again)
             raise ValueError(f"model type {model_type!r}: its forward fails on hf_paged's paged path "
                              f"({type(e).__name__}: {e})") from e
-        own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
-               for step in range(len(STEPS[0]))]
+        if spec.has_state:  # the model's own forward steps through the same cuts on transformers' own cache
+            stepped = [_own_stepped_logits(model, seq, cuts, spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
+            own = [[logits[step] for logits in stepped] for step in range(len(STEPS[0]))]
+        else:
+            own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
+                   for step in range(len(STEPS[0]))]
     worst = 0.0
     for got, want in zip(paged, own):
         worst = max(worst, _relative_difference(got, torch.stack(want)))

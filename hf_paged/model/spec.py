@@ -10,6 +10,7 @@ from ..kv import KVCacheSpec
 from .forward_lock import forward_lock
 from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
                             self_attending_modules)
+from .state_layers import UnsupportedState, cache_keyword, find_state_modules, state_forward
 from .switches import require_enabled
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -27,6 +28,12 @@ class ModelSpec:
     configs: list
     # how many layers' attention the probe forward saw go through transformers' attention interface (0: none did)
     interface_layers: int = 0
+    # state layers (linear attention, Mamba, short convolutions): {layer: the module holding its state}; {} for none
+    state_layers: dict = None
+
+    @property
+    def has_state(self) -> bool:
+        return bool(self.state_layers)
 
 
 def describe_model(model: torch.nn.Module) -> ModelSpec:
@@ -46,40 +53,61 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
         raise ValueError(f"model type {model_type!r} is encoder-decoder; hf_paged serves decoder-only models")
     text = config.get_text_config(decoder=True)
     layer_types = getattr(text, "layer_types", None) or []
+    state = _state_layers(model, model_type)
     odd = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
-    if odd:
-        raise ValueError(f"model type {model_type!r} has layers of type {odd}; hf_paged supports only "
-                         f"full, sliding-window and chunked attention layers (no linear attention / state-space "
-                         f"layers)")
+    if odd and not state:
+        raise ValueError(f"model type {model_type!r} has layers of type {odd} whose state hf_paged cannot hold: it "
+                         f"serves attention layers (full, sliding-window, chunked) and state layers that keep their "
+                         f"state through transformers' linear-attention cache calls")
     num_heads = getattr(text, "num_attention_heads", None)
-    num_layers = getattr(text, "num_hidden_layers", None)
+    num_layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
     hidden = getattr(text, "hidden_size", None)
-    if not num_heads or not num_layers or not hidden:
+    if not num_layers or not hidden or not (num_heads or state):
         raise ValueError(f"model type {model_type!r} config lacks attention heads / layers / hidden size")
     param = next(model.parameters())
-    shape, configs, interface_layers = _switched(model, [config] + ([text] if text is not config else []), model_type)
+    shape, configs, attention = _switched(model, [config] + ([text] if text is not config else []), model_type)
     if shape is not None:
         num_kv_heads, head_dim = shape
+    elif state and not attention:  # a stack of state layers only: the KV cache holds no layer
+        num_kv_heads, head_dim = 1, 1
     else:  # the modules' attention did not run through the interface: the config's word (the start-up check decides)
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text, "head_dim", None) or hidden // num_heads
+    if state:
+        keyword = {layer: cache_keyword(model.get_submodule(name).forward) for layer, name in state.items()}
+        configs = configs + [ModulePatches(model, [(model.get_submodule(name), state_forward(layer, keyword[layer]))
+                                                   for layer, name in state.items()], [])]
     forward_params = inspect.signature(model.forward).parameters
     return ModelSpec(
-        kv=KVCacheSpec(num_layers, num_kv_heads, head_dim, param.dtype, param.device),
+        kv=KVCacheSpec(num_layers, num_kv_heads, head_dim, param.dtype, param.device,
+                       attention_layers=attention if state else None),
         max_model_len=getattr(text, "max_position_embeddings", None),
         vocab_size=text.vocab_size,
         accepts_logits_to_keep="logits_to_keep" in forward_params,
         configs=configs,
-        interface_layers=interface_layers,
+        interface_layers=len(attention),
+        state_layers=state,
     )
 
 
-def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[tuple[int, int] | None, list, int]:
+def _state_layers(model: torch.nn.Module, model_type: str) -> dict:
+    """`find_state_modules`, its refusals as ValueError naming the model."""
+    try:
+        return find_state_modules(model)
+    except UnsupportedState as e:
+        raise ValueError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - e.g. a model that keeps its state in a cache class of its own
+        raise ValueError(f"model type {model_type!r} has state layers, but its forward does not run on "
+                         f"transformers' own cache ({type(e).__name__}: {e}); hf_paged holds the state of layers that "
+                         f"keep it through transformers' linear-attention cache calls") from e
+
+
+def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[tuple[int, int] | None, list, tuple]:
     """(the modules' K/V shape or None, what `paged_attention_active` switches: the configs and any ModulePatches,
-    the number of layers whose attention went through the interface)."""
+    the layers whose attention went through the interface)."""
     adapters = self_attending_modules(model)
     if adapters:  # their modules never read `_attn_implementation`: masks stay as HF builds them
-        shape, configs, layers = None, [ModulePatches(model, adapters, [])], 0
+        shape, configs, layers = None, [ModulePatches(model, adapters, [])], ()
     else:
         shape, configs, layers = module_kv_shape(model, configs, model_type)
     positioned = position_takers(model)
@@ -87,13 +115,13 @@ def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[t
 
 
 def module_kv_shape(model: torch.nn.Module, configs: list,
-                    model_type: str) -> tuple[tuple[int, int] | None, list, int]:
+                    model_type: str) -> tuple[tuple[int, int] | None, list, tuple]:
     """(K/V heads, head size) as the model's attention modules produce them, the configs to switch (with a
     `ModulePatches` that hands the forward's keywords to attention modules when the model's layers drop them). Read
     from one 2-token forward with an attention function that records the shapes (`record_kv_shapes`), kept on the
-    model; and how many layers recorded. Shape None when no layer's attention ran through the interface (the config's
-    sizes are used, and the start-up check has the last word). Raises ValueError when layers differ, or V differs from K: the paged cache
-    holds one shape for every layer's K and V."""
+    model; and the layers recorded. Shape None when no layer's attention ran through the interface (the config's
+    sizes are used, and the start-up check has the last word). Raises ValueError when layers differ, or V differs
+    from K: the paged cache holds one shape for every layer's K and V."""
     known = model.__dict__.get("_hf_paged_kv_shape")
     if known is None:
         found, injected = _recorded_shapes(model, configs), False
@@ -107,7 +135,7 @@ def module_kv_shape(model: torch.nn.Module, configs: list,
     configs = configs + [_injector(model)] if injected else configs
     found = sorted(set(recorded.values()))
     if not found:
-        return None, configs, 0
+        return None, configs, ()
     if len(found) > 1:
         raise ValueError(f"model type {model_type!r}: its layers produce K/V of different shapes (heads, size of K, "
                          f"then of V): {found}; hf_paged's paged cache holds one shape for every layer")
@@ -116,7 +144,7 @@ def module_kv_shape(model: torch.nn.Module, configs: list,
         raise ValueError(f"model type {model_type!r}: its attention produces K with {k_heads} heads of size {k_size} "
                          f"but V with {v_heads} heads of size {v_size}; hf_paged's paged cache holds K and V of one "
                          f"shape")
-    return (k_heads, k_size), configs, len(recorded)
+    return (k_heads, k_size), configs, tuple(sorted(recorded))
 
 
 def _injector(model: torch.nn.Module) -> ModulePatches:

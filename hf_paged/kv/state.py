@@ -1,0 +1,106 @@
+"""Per-request state of state layers (linear attention, Mamba, short convolutions): one slot per running request.
+
+A state layer keeps no K/V per token: each sequence carries fixed-size tensors (a convolution window, a recurrent
+state) that every step reads and replaces. They live in `StateSlots`: for each (layer, kind, state index) one tensor
+[num_slots, *shape], created at the first write with the shape and dtype the model produced, and grown (doubled) when
+more slots are in use than it holds. A slot's tensors mean something only after a forward pass wrote them; a sequence
+starting from token 0 reads no state (`fresh`), exactly as the model's own forward without a previous state.
+"""
+from __future__ import annotations
+
+import torch
+
+StateKey = tuple  # (layer index, "conv" | "recurrent", state index)
+
+
+class StateSlots:
+    """Slot ids handed out and freed like blocks, and the state tensors indexed by them.
+
+    Invariants: a slot id is held by at most one sequence; `free` never touches the tensors (a slot handed out again
+    is read only after a forward pass wrote it, or not at all while its holder is `fresh`). `begin` / `commit` /
+    `rollback` make a step's allocations all or nothing (the tensors' contents are not put back: whoever rolls back
+    must recompute the sequences whose state a failed forward may have written)."""
+
+    def __init__(self, device: torch.device, capacity: int = 8):
+        self.device = torch.device(device)
+        self.capacity = max(1, int(capacity))
+        self.tensors: dict[StateKey, torch.Tensor] = {}
+        self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: slot 0 first
+        self._saved: tuple | None = None
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    # ---- ids ------------------------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        if not self._free:
+            self._grow(self.capacity * 2)
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        if slot < 0 or slot >= self.capacity or slot in self._free:
+            raise ValueError(f"state slot {slot} is not held")
+        self._free.append(slot)
+
+    def check_all_free(self) -> None:
+        if len(self._free) != self.capacity:
+            raise AssertionError(f"{self.num_used} state slots still held")
+
+    def begin(self) -> None:
+        self._saved = (list(self._free), self.capacity)
+
+    def commit(self) -> None:
+        self._saved = None
+
+    def rollback(self) -> None:
+        if self._saved is not None:
+            free, capacity = self._saved
+            # a grown capacity stays (the tensors are bigger); the slots added by the growth are free again
+            self._free = list(range(self.capacity - 1, capacity - 1, -1)) + free
+            self._saved = None
+
+    @torch.inference_mode()
+    def _grow(self, capacity: int) -> None:
+        for key, tensor in self.tensors.items():
+            bigger = tensor.new_zeros((capacity, *tensor.shape[1:]))
+            bigger[:self.capacity] = tensor
+            self.tensors[key] = bigger
+        self._free = list(range(capacity - 1, self.capacity - 1, -1)) + self._free
+        self.capacity = capacity
+
+    # ---- contents -------------------------------------------------------------------------------------------
+    def read(self, key: StateKey, slots: torch.Tensor) -> torch.Tensor | None:
+        """The states of `slots` ([B] long, on the device) as a new tensor [B, *shape]; None if never written."""
+        tensor = self.tensors.get(key)
+        return None if tensor is None else tensor.index_select(0, slots)
+
+    def write(self, key: StateKey, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Store `values` [B, *shape] into `slots` (the tensor for `key` is made at the first write)."""
+        tensor = self.tensors.get(key)
+        if tensor is None:
+            tensor = self.tensors[key] = values.new_zeros((self.capacity, *values.shape[1:]))
+        elif tensor.shape[1:] != values.shape[1:] or tensor.dtype != values.dtype:
+            raise ValueError(f"state {key} changed shape or dtype: {tuple(tensor.shape[1:])} {tensor.dtype} -> "
+                             f"{tuple(values.shape[1:])} {values.dtype}")
+        tensor.index_copy_(0, slots, values.to(tensor.device))
+
+    @torch.inference_mode()
+    def copy(self, source: int, destination: int) -> None:
+        """A fork: `destination` gets `source`'s state."""
+        for tensor in self.tensors.values():
+            tensor[destination].copy_(tensor[source])
+
+    @torch.inference_mode()
+    def save(self, slot: int) -> dict[StateKey, torch.Tensor]:
+        """A copy of one slot's state in host memory (preemption by swap)."""
+        return {key: tensor[slot].to("cpu", copy=True) for key, tensor in self.tensors.items()}
+
+    @torch.inference_mode()
+    def load(self, slot: int, saved: dict[StateKey, torch.Tensor]) -> None:
+        for key, value in saved.items():
+            self.tensors[key][slot].copy_(value)

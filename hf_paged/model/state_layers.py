@@ -1,0 +1,288 @@
+"""State layers (Gated DeltaNet, Mamba / Mamba-2, short convolutions, ...) on the engine's packed steps.
+
+transformers' state modules read and write their per-sequence state through the cache's linear-attention calls
+(`get_conv_state`, `update_conv_state`, `get_recurrent_state`, `update_recurrent_state`, `has_previous_state`) and
+mix tokens along the time axis, so a packed step (every sequence's rows side by side in one row of the batch) cannot
+go through them as it is. During a paged forward each state module's forward (`state_forward`) runs the module's own
+forward once per group of sequences instead: every single-token sequence that has a state in one batched call
+[B, 1, hidden], every other sequence alone [1, L, hidden]; each call gets a `StateView`, a cache that answers those
+calls from the sequences' slots in `kv.StateSlots` and writes what the module stored back into them. The module's own
+code computes everything, so the result is what it computes for each sequence alone.
+
+`find_state_modules` says which module holds each state layer, from one forward with transformers' own cache.
+"""
+from __future__ import annotations
+
+import inspect
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.state import StateSlots
+from .forward_lock import forward_lock
+
+STATE_CALLS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
+               "has_previous_state")
+
+
+class UnsupportedState(ValueError):
+    """A state module asks the cache for something the state slots do not implement."""
+
+
+@dataclass(slots=True)
+class StateRun:
+    """One call of a state module in a step: the packed rows it takes, the slots of its sequences ([B] long on the
+    device), whether they start from no state (`fresh`, their first token is in these rows) and whether what the
+    module stores is kept (`store`; not for a query-only row reading a prompt's state)."""
+
+    rows: slice | torch.Tensor  # a slice: one sequence [1, L]; a tensor: B single-token sequences [B, 1]
+    slots: torch.Tensor
+    fresh: bool
+    store: bool = True
+
+
+@dataclass(slots=True)
+class StateStep:
+    """The state side of one packed forward: the slots and the runs in the order they must go (a query-only row
+    after the sequence whose state it reads)."""
+
+    slots: StateSlots
+    runs: list[StateRun]
+
+    @classmethod
+    def build(cls, slots: StateSlots, sequences: list[tuple[int, int, int, bool, bool]],
+              device: torch.device) -> "StateStep":
+        """`sequences`: (first packed row, number of rows, slot, fresh, store) in packed order."""
+        batched = [(start, slot) for start, length, slot, fresh, store in sequences
+                   if length == 1 and not fresh and store]
+        runs = []
+        if batched:
+            rows, ids = zip(*batched)
+            runs.append(StateRun(torch.tensor(rows, device=device), torch.tensor(ids, device=device), False))
+        for start, length, slot, fresh, store in sequences:
+            if length != 1 or fresh or not store:
+                runs.append(StateRun(slice(start, start + length), torch.tensor([slot], device=device), fresh, store))
+        runs.sort(key=lambda run: not run.store)  # readers of a state after every writer of this step
+        return cls(slots, runs)
+
+
+class StateView:
+    """transformers' linear-attention cache calls for one layer and the sequences of one `StateRun`, answered from
+    their slots. What the module stores is kept here and written to the slots by `write_back`. Anything else a
+    module asks of it raises `UnsupportedState` (a module that needs more is refused by the start-up check)."""
+
+    def __init__(self, slots: StateSlots, layer: int, run: StateRun, model_type: str):
+        self.slots, self.layer, self.run, self.model_type = slots, layer, run, model_type
+        self.values: dict[tuple[str, int], torch.Tensor] = {}
+        self.started: set[int] = set()  # state indices whose conv state this call stored (a fresh run has one then)
+
+    def _check(self, layer_idx: int) -> None:
+        if layer_idx != self.layer:
+            raise UnsupportedState(f"model type {self.model_type!r}: the state module of layer {self.layer} asked "
+                                   f"for the state of layer {layer_idx}")
+
+    def _known(self, kind: str, index: int) -> torch.Tensor | None:
+        if (kind, index) not in self.values:
+            value = None if self.run.fresh else self.slots.read((self.layer, kind, index), self.run.slots)
+            if value is None:
+                return None
+            self.values[(kind, index)] = value
+        return self.values[(kind, index)]
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        if layer_idx is not None:
+            self._check(layer_idx)
+        if not self.run.fresh:
+            return True
+        return (0 if state_idx is None else state_idx) in self.started
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._check(layer_idx)
+        return self._known("conv", state_idx) if self.has_previous_state(None, state_idx) else None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                          conv_kernel_size: int | None = None, **kwargs) -> torch.Tensor:
+        """As transformers' `LinearAttentionLayer.update_conv_state`: the new inputs after the previous window (or
+        left-padded with zeros to the kernel at a sequence's start); keeps the last kernel-size columns."""
+        self._check(layer_idx)
+        previous = self.get_conv_state(layer_idx, state_idx)
+        if previous is None:
+            kernel = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
+            full = conv_states
+            if full.shape[-1] < kernel:
+                full = torch.nn.functional.pad(full, (kernel - full.shape[-1], 0), value=0)
+            stored = conv_states.new_zeros((*conv_states.shape[:-1], kernel))
+        else:
+            kernel = previous.shape[-1]
+            full = torch.cat([previous, conv_states], dim=-1)
+            stored = previous
+        stored.copy_(full[..., -kernel:])
+        self.values[("conv", state_idx)] = stored
+        self.started.add(state_idx)
+        return full
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._check(layer_idx)
+        return self._known("recurrent", state_idx) if self.has_previous_state(None, state_idx) else None
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs) -> torch.Tensor:
+        self._check(layer_idx)
+        last = recurrent_states if isinstance(recurrent_states, torch.Tensor) else recurrent_states[-1]
+        self.values[("recurrent", state_idx)] = last.clone()
+        return self.values[("recurrent", state_idx)]
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        return 0
+
+    def increase_count(self, layer_idx: int | None = None, state_idx: int = 0) -> None:
+        """transformers counts tokens here; the engine knows each sequence's length."""
+
+    def __getattr__(self, name: str):
+        raise UnsupportedState(f"model type {self.model_type!r}: its state module (layer {self.layer}) calls "
+                               f"cache.{name}, which hf_paged's state slots do not implement")
+
+    def write_back(self) -> None:
+        if self.run.store:
+            for (kind, index), value in self.values.items():
+                self.slots.write((self.layer, kind, index), self.run.slots, value)
+
+
+def state_forward(layer: int, cache_keyword: str):
+    """A `ModulePatches` adapter factory: the module's forward on a packed step, one call per `StateRun`. Arguments
+    besides the hidden states and the cache must be None (the engine's forward builds no masks); the output (a tensor
+    or a tuple of tensors, rows along dimension 1) is put back together in packed order."""
+    def factory(module, owner):
+        own = vars(module).get("forward") or type(module).forward.__get__(module)
+        signature = inspect.signature(own)
+        model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+
+        def forward(*args, **kwargs):
+            step = getattr(owner.require_context(module), "states", None)
+            if step is None:
+                raise UnsupportedState(f"model type {model_type!r}: a state layer ran without state slots")
+            bound = signature.bind(*args, **kwargs).arguments
+            first = next(iter(signature.parameters))
+            hidden_states = bound.pop(first)
+            bound.pop(cache_keyword, None)
+            extra = {**bound.pop("kwargs", {}), **bound}
+            odd = sorted(k for k, v in extra.items() if v is not None and v is not False and k not in IGNORED)
+            if odd or hidden_states.shape[0] != 1:
+                raise UnsupportedState(f"model type {model_type!r}: its state module (layer {layer}) got {odd or 'a batch'}"
+                                       f", which hf_paged's packed steps do not pass on")
+            outputs = []
+            for run in step.runs:
+                view = StateView(step.slots, layer, run, model_type)
+                rows = hidden_states[0, run.rows]
+                out = own(rows[None] if isinstance(run.rows, slice) else rows[:, None], **{cache_keyword: view})
+                view.write_back()
+                outputs.append((run.rows, out))
+            return _packed(outputs, hidden_states.shape[1], model_type)
+
+        return forward
+    return factory
+
+
+# keywords a state module may get that change nothing here (the engine's own, passed down every module; flags)
+IGNORED = frozenset({"attention_mask", "position_ids", "cache_position", "use_cache", "output_attentions",
+                     "paged_context", "hf_paged_kv_shapes"})
+
+
+def _packed(outputs: list, num_rows: int, model_type: str):
+    """The runs' outputs (each a tensor or a tuple of tensors / None, rows along dimension 1) as one packed output."""
+    first = outputs[0][1]
+    if isinstance(first, torch.Tensor):
+        return _join([(rows, out) for rows, out in outputs], num_rows)
+    if isinstance(first, tuple):
+        return tuple(None if first[i] is None else _join([(rows, out[i]) for rows, out in outputs], num_rows)
+                     for i in range(len(first)))
+    raise UnsupportedState(f"model type {model_type!r}: its state module returns {type(first).__name__}")
+
+
+def _join(pieces: list, num_rows: int) -> torch.Tensor:
+    parts = [(rows, out[0] if isinstance(rows, slice) else out[:, 0]) for rows, out in pieces]
+    output = parts[0][1].new_empty((num_rows, *parts[0][1].shape[1:]))
+    for rows, part in parts:
+        output[rows] = part
+    return output[None]
+
+
+def cache_keyword(function) -> str:
+    """The name under which `function` takes its cache (transformers 5.x: `cache`, earlier `cache_params` /
+    `past_key_values`)."""
+    params = inspect.signature(function).parameters
+    for name in ("cache", "cache_params", "past_key_values"):
+        if name in params:
+            return name
+    raise UnsupportedState(f"{getattr(function, '__qualname__', function)} takes no cache argument")
+
+
+@torch.inference_mode()
+def find_state_modules(model: torch.nn.Module) -> dict[int, str]:
+    """{layer index: qualified name of the module that reads and writes that layer's state}, from one 3-token forward
+    with transformers' own cache: a state call names the innermost running module whose `layer_idx` is the layer
+    the call is for. {} for models whose cache has no state layer. Kept on the model. Raises UnsupportedState when a
+    state layer's calls come from no such module, or from several."""
+    known = model.__dict__.get("_hf_paged_state_modules")
+    if known is not None:
+        return known
+    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+    model_type = getattr(model.config, "model_type", type(model).__name__)
+    cache = DynamicCache(config=model.config)
+    linear = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+    if not linear:
+        model.__dict__["_hf_paged_state_modules"] = {}
+        return {}
+    thread, stack, found, strays = threading.get_ident(), [], {}, []
+    names = {module: name for name, module in model.named_modules()}
+
+    def record(method):
+        def call(*args, **kwargs):
+            layer = kwargs.get("layer_idx")
+            if layer is None:
+                layer = args[0] if method.__name__ in ("get_conv_state", "get_recurrent_state",
+                                                       "has_previous_state") else args[1]
+            owner = next((m for m in reversed(stack) if getattr(m, "layer_idx", None) == layer), None)
+            if owner is None:
+                strays.append(layer)
+            else:
+                found.setdefault(layer, set()).add(names[owner])
+            return method(*args, **kwargs)
+        return call
+
+    for name in STATE_CALLS:
+        setattr(cache, name, record(getattr(cache, name)))
+    def enter(module, *_) -> None:
+        if threading.get_ident() == thread:
+            stack.append(module)
+
+    def leave(module, *_) -> None:
+        if threading.get_ident() == thread and stack:
+            stack.pop()
+
+    hooks = []
+    for module in names:
+        if isinstance(getattr(module, "layer_idx", None), int):
+            hooks.append(module.register_forward_pre_hook(enter))
+            hooks.append(module.register_forward_hook(leave, always_call=True))
+    device = next(model.parameters()).device
+    try:
+        with forward_lock(model):
+            model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=True,
+                  **{cache_keyword(model.forward): cache})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if strays:
+        raise UnsupportedState(f"model type {model_type!r}: state calls for layers {sorted(set(strays))} come from "
+                               f"no module of that layer")
+    several = {layer: sorted(n) for layer, n in found.items() if len(n) > 1}
+    if several:
+        raise UnsupportedState(f"model type {model_type!r}: several modules use the state of one layer: {several}")
+    result = {layer: next(iter(n)) for layer, n in sorted(found.items())}
+    model.__dict__["_hf_paged_state_modules"] = result
+    return result

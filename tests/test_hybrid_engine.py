@@ -1,0 +1,183 @@
+"""Hybrid (attention + state layers) and state-space models on the engine: token-exact with HF, also under pressure.
+
+Each family is built tiny with 4 layers holding every layer type of its own pattern (`hf_paged.tiny.HYBRIDS`), its
+output head sharpened. The state of a state layer lives in the engine's state slots (`kv.StateSlots`), one per
+running request; the model's own state modules compute it (`model.state_layers`).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.engine.runner import ModelRunner
+from hf_paged.kv.state import StateSlots
+from hf_paged.tiny import HYBRIDS, tiny_hybrid
+
+from conftest import assert_same_as_hf, left_padded_batch
+
+FAMILIES = sorted(HYBRIDS)
+PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2")
+
+
+@pytest.fixture(autouse=True)
+def poisoned_free_slots(monkeypatch):
+    """A freed state slot is filled with garbage (as if another request had written it): any path that reads a state
+    it did not write or restore first gives other tokens."""
+    original = StateSlots.free
+
+    def free(self, slot):
+        original(self, slot)
+        with torch.inference_mode():
+            for tensor in self.tensors.values():
+                tensor[slot] = 7.0
+
+    monkeypatch.setattr(StateSlots, "free", free)
+
+
+@pytest.fixture(scope="module")
+def models():
+    built = {}
+
+    def get(model_type):
+        if model_type not in built:
+            built[model_type] = tiny_hybrid(model_type)
+        return built[model_type]
+    return get
+
+
+def prompts(lengths=(5, 11, 17, 9), seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def run(model, prompt_list, params, **options):
+    llm = hf_paged.LLM(model, **{"num_blocks": 64, "block_size": 4, **options})
+    outs = llm.generate(prompt_list, params, use_tqdm=False)
+    llm.engine.check_idle()  # every block and every state slot back
+    return [[list(c.token_ids) for c in o.outputs] for o in outs], llm.engine.stats()
+
+
+GREEDY = hf_paged.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_generate_takeover_matches_hf(models, engine_runs, model_type):
+    """`generate(cache_implementation="paged")` on a left-padded batch of 3 prompts runs on the engine and gives
+    HF's own greedy tokens."""
+    model = models(model_type)
+    ids, mask = left_padded_batch([5, 11, 17])
+    assert_same_as_hf(model, ids, mask, max_new_tokens=12, do_sample=False)
+    assert engine_runs, "the call did not run on the engine"
+
+
+@pytest.mark.parametrize("model_type", PRESSED)
+def test_pressure_gives_the_unpressured_tokens(models, model_type):
+    """Chunked prefill with a budget smaller than a prompt, a pool so small that requests are preempted (their state
+    rebuilt from their tokens), priorities: the same tokens as a roomy engine, and as HF alone."""
+    model = models(model_type)
+    batch = prompts()
+    roomy, _ = run(model, batch, GREEDY)
+    alone = [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(p):].tolist() for p in batch]
+    assert [r[0] for r in roomy] == alone
+    pressed, stats = run(model, batch, GREEDY, num_blocks=10, max_num_batched_tokens=6, long_prefill_token_threshold=4,
+                         max_num_seqs=3, preemption_mode="recompute")
+    assert pressed == roomy
+    assert stats["num_preemptions"] > 0 and stats["num_recomputed_tokens"] > 0
+
+
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "falcon_h1"))
+def test_swap_saves_the_state(models, model_type):
+    """Preempted by swap: the blocks and the state go to host memory and come back; the same tokens."""
+    model = models(model_type)
+    batch = prompts()
+    roomy, _ = run(model, batch, GREEDY)
+    swapped, stats = run(model, batch, GREEDY, num_blocks=10, max_num_seqs=3, preemption_mode="swap",
+                         swap_space=1 << 20)
+    assert swapped == roomy
+    assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] > 0 and stats["num_recomputed_tokens"] == 0
+
+
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2"))
+def test_n_samples_fork_the_state(models, model_type):
+    """n=3 seeded samples fork from one computed prompt (the state copied to each sample's slot): each sample equals
+    the same seeded request run alone."""
+    model = models(model_type)
+    batch = prompts((7, 13))
+    params = hf_paged.SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)
+    together, _ = run(model, batch, params)
+    for prompt, samples in zip(batch, together):
+        for k in range(3):
+            one = hf_paged.SamplingParams(max_tokens=8, temperature=1.0, seed=5 + k, ignore_eos=True)
+            alone, _ = run(model, [prompt], one)
+            assert samples[k] == alone[0][0]
+
+
+def test_abort_mid_way_leaves_the_others_exact(models):
+    model = models("qwen3_5_text")
+    batch = prompts()
+    want, _ = run(model, batch, GREEDY)
+    llm = hf_paged.LLM(model, num_blocks=64, block_size=4)
+    ids = [f"r{i}" for i in range(len(batch))]
+    for request_id, prompt in zip(ids, batch):
+        llm.engine.add_request(prompt, GREEDY, request_id=request_id)
+    for _ in range(4):
+        llm.engine.step()
+    llm.engine.abort("r1")
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+    for i, request_id in enumerate(ids):
+        if i != 1:
+            assert list(llm.engine.groups[request_id].samples[0].output_token_ids) == want[i][0]
+    assert llm.engine.scheduler.kv.states.num_used == 0
+
+
+def test_failed_step_changes_nothing(models, monkeypatch):
+    """A forward pass that fails after the state layers wrote their slots: the step is undone and the requests whose
+    state it may have written are recomputed; the tokens equal an undisturbed run."""
+    model = models("qwen3_5_text")
+    batch = prompts()
+    want, _ = run(model, batch, GREEDY)
+    llm = hf_paged.LLM(model, num_blocks=64, block_size=4)
+    for i, prompt in enumerate(batch):
+        llm.engine.add_request(prompt, GREEDY, request_id=str(i))
+    original, calls = ModelRunner.forward, []
+
+    def failing(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)  # every state slot of the step is written
+        calls.append(1)
+        if len(calls) in (3, 6):
+            raise RuntimeError("injected")
+        return out
+
+    monkeypatch.setattr(ModelRunner, "forward", failing)
+    failures = 0
+    while llm.engine.has_unfinished:
+        try:
+            llm.engine.step()
+        except RuntimeError:
+            failures += 1
+    assert failures == 2
+    assert [list(llm.engine.groups[str(i)].samples[0].output_token_ids) for i in range(len(batch))] == \
+        [w[0] for w in want]
+
+
+def test_state_memory_is_its_own(models):
+    """A hybrid's KV pages hold only its attention layers; a pure state-space model holds no K/V pages at all."""
+    hybrid = hf_paged.LLM(models("qwen3_5_text"), num_blocks=16, block_size=4).engine
+    assert hybrid.spec.kv.attention_layers == (3,)
+    assert hybrid.memory.cache.storage.shape[0] == 1
+    assert [k is None for k in hybrid.memory.cache.key_caches] == [True, True, True, False]
+    ssm = hf_paged.LLM(models("mamba2"), block_size=4).engine
+    assert ssm.memory.cache.storage.numel() == 0 and ssm.spec.kv.attention_layers == ()
+
+
+def test_no_prefix_hits_on_state_models(models):
+    """A prefix hit would skip the state of the hit tokens: state models serve none (until state checkpoints)."""
+    model = models("qwen3_5_text")
+    shared = prompts((16,))[0]
+    batch = [shared + [5, 6, 7], shared + [8, 9]]
+    out, stats = run(model, batch, GREEDY, enable_prefix_caching=True)
+    assert stats["prefix_cache_hit_tokens"] == 0
+    assert out == [run(model, [p], GREEDY)[0][0] for p in batch]

@@ -3,12 +3,16 @@ hf_paged.
 
     python benchmarks/models.py                       # all; writes docs/models.md and benchmarks/results/models.json
     python benchmarks/models.py --only llama gpt2     # a few
-    python benchmarks/models.py --json out.json --markdown out.md
+    python benchmarks/models.py --json out.json --markdown out.md   # the table of just these results
 
 For each model type in transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: its config class with only the sizes it
 declares shrunk (hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, vocab 512, 256 positions), random
-weights (seed 0), eval mode; a left-padded batch of two prompts (7 and 4 tokens), 8 new tokens, greedy, through HF
-`generate` and through `generate(cache_implementation="paged")`. Outcomes:
+weights (seed 0), eval mode; a stack with layer types other than attention (linear-attention / state-space / conv
+layers) or whose first 2 layers miss one of its layer types (sliding layers with a full one every k-th, ...) with the
+fewest N >= 4 layers whose pattern (its config class's own, for N layers) holds every layer type of its full-size
+default (benchmarks/census_layers.py; each result records its "layers" and "layer_types"); a left-padded batch of
+two prompts (7 and 4 tokens), 8 new tokens, greedy, through HF `generate` and through
+`generate(cache_implementation="paged")`. Outcomes:
   exact           paged tokens equal HF's
   exact (unpadded)  a row differs from HF's left-padded batch but equals HF generate on that prompt alone (models whose
                   positions HF counts from the padding: HF's batch, not the paged row, depends on the padding)
@@ -38,6 +42,7 @@ runs before the engine's, so a death in it is re-run without it for the engine's
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -45,6 +50,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import census_layers  # noqa: E402  (the layer count and pattern per model type)
+
 SIZES = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2,
          "num_attention_heads": 4, "n_head": 4, "attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "vocab_size": 512, "head_dim": 16,
@@ -54,9 +62,17 @@ SIZES = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2,
          "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
          # partial rotary and multi-head latent attention sizes that must fit the shrunk heads
          "rotary_dim": 8, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32, "kv_lora_rank": 32,
-         "q_lora_rank": 32, "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 512}
+         "q_lora_rank": 32, "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 512,
+         # state-space / linear-attention layers: head counts x head sizes that fit the shrunk hidden size (2 x 64)
+         "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_ssm": 128, "mamba_num_heads": 8, "mamba_head_dim": 16,
+         "mamba_headdim": 16, "mamba_dt_rank": 4, "adapter_rank": 8, "linear_num_heads": 4, "linear_head_dim": 16}
+# sizes whose names other types use for something else, or that a config derives from its full-size hidden size
+ZAMBA = {"attention_hidden_size": 128, "attention_head_dim": 32}  # 2 x hidden, split over the 4 heads
+TYPE_SIZES = {"mamba2": {"num_heads": 8}, "rwkv": {"attention_hidden_size": 64}, "zamba": ZAMBA, "zamba2": ZAMBA}
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers")
 SUB_CONFIGS = ("encoder_config", "decoder_config", "global_config", "patcher_config")  # blt's, shrunk like the rest
 MARGIN = 1e-3
+TRIES = 3  # layer counts tried for a stack that cannot be built with the fewest (census_layers.plans)
 
 
 def model_types() -> list[str]:
@@ -66,44 +82,64 @@ def model_types() -> list[str]:
 
 
 def tiny(model_type: str):
+    """The model type built tiny (see the module doc): with the first layer count of `census_layers.plans` it can
+    be built with (of the first TRIES)."""
     import torch
     import transformers as tf
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    config = CONFIG_MAPPING[model_type]()
-    shrink(config)
-    text = config.get_text_config(decoder=True)
-    if text is not config:
-        shrink(text)
-    for holder in {id(config): config, id(text): text}.values():
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            if getattr(holder, name, None) is not None:
-                setattr(holder, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
-    return model
+    def build(layers: int, pattern):
+        config = CONFIG_MAPPING[model_type](**census_layers.REPRESENTATIVE.get(model_type, {}))
+        text = config.get_text_config(decoder=True)
+        shrink(config, layers)
+        if text is not config:
+            shrink(text, layers)
+        census_layers.adopt(text, pattern)
+        for name, value in TYPE_SIZES.get(model_type, {}).items():
+            setattr(text, name, value)
+        for holder in {id(config): config, id(text): text}.values():
+            for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+                if getattr(holder, name, None) is not None:
+                    setattr(holder, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
+        torch.manual_seed(0)
+        return tf.AutoModelForCausalLM.from_config(config).eval()
+
+    full = CONFIG_MAPPING[model_type](**census_layers.REPRESENTATIVE.get(model_type, {}))
+    first = None
+    for layers, pattern in itertools.islice(census_layers.plans(full.get_text_config(decoder=True)), TRIES):
+        try:
+            return build(layers, pattern)
+        except Exception as e:  # noqa: BLE001
+            first = first or e
+    raise first
 
 
-def shrink(config) -> None:
-    """Set each size of SIZES that the config declares (not None), and in its SUB_CONFIGS (the text config is
-    shrunk by the caller; vision / audio towers are left as they are); sizes it cannot take (read-only properties,
-    per-layer attributes) are left as they are."""
+def shrink(config, layers: int = 2) -> None:
+    """Set each size of SIZES that the config declares (not None), its layer counts to `layers`, and in its
+    SUB_CONFIGS (2 layers; the text config is shrunk by the caller; vision / audio towers are left as they are);
+    sizes it cannot take (read-only properties, per-layer attributes) are left as they are."""
     for name, value in SIZES.items():
         try:
             if getattr(config, name, None) is not None:
-                setattr(config, name, value)
+                setattr(config, name, layers if name in LAYER_COUNTS else value)
         except (AttributeError, NotImplementedError, ValueError, TypeError):
             pass
+    try:  # multi-head latent attention expands its K/V to every query head: as many K/V heads as query heads
+        if getattr(config, "kv_lora_rank", None) and getattr(config, "num_key_value_heads", None):
+            config.num_key_value_heads = config.num_attention_heads
+    except Exception:  # noqa: BLE001  (a per-layer attribute of a heterogeneous config refuses a global read)
+        pass
     for name in SUB_CONFIGS:
         if getattr(config, name, None) is not None:
             shrink(getattr(config, name))
 
 
-def run_one(model_type: str, phase=lambda name: None, cache_check: bool = True, report=lambda result: None) -> dict:
+def run_one(model_type: str, phase=lambda name: None, cache_check: bool = True, report=lambda part: None) -> dict:
     """The outcome of one model type (see the module doc): the engine's in "outcome" / "reason", the PagedCache
-    check's in "paged_cache" (absent with cache_check=False). `phase(name)` is told "build", "hf", "cache" and
-    "paged" as each starts, so that a run killed midway can still be classified; `report` gets the PagedCache
-    check's result as soon as it is known."""
+    check's in "paged_cache" (absent with cache_check=False), the layers built in "layers" / "layer_types".
+    `phase(name)` is told "build", "hf", "cache" and "paged" as each starts, so that a run killed midway can still
+    be classified; `report` gets each part of the result as soon as it is known ({"layers": ...} once built,
+    {"paged_cache": ...} once checked)."""
     import torch
     import hf_paged  # noqa: F401  (the take-over)
 
@@ -112,6 +148,8 @@ def run_one(model_type: str, phase=lambda name: None, cache_check: bool = True, 
         model = tiny(model_type)
     except Exception as e:  # noqa: BLE001
         return both({"outcome": "not buildable", "reason": f"{type(e).__name__}: {e}"[:300]}, cache_check)
+    layers = census_layers.described(model.config.get_text_config(decoder=True))
+    report(layers)
     vocab = min(model.config.get_text_config(decoder=True).vocab_size or 512, 512)
     gen = torch.Generator().manual_seed(1)
     ids = torch.zeros(2, 7, dtype=torch.long)
@@ -124,14 +162,14 @@ def run_one(model_type: str, phase=lambda name: None, cache_check: bool = True, 
     try:
         ref = model.generate(ids, return_dict_in_generate=True, output_logits=True, **options)
     except Exception as e:  # noqa: BLE001
-        return both({"outcome": "HF fails", "reason": f"{type(e).__name__}: {e}"[:300]}, cache_check)
+        return {**both({"outcome": "HF fails", "reason": f"{type(e).__name__}: {e}"[:300]}, cache_check), **layers}
     cache = None
     if cache_check:
         phase("cache")
         cache = check_paged_cache(model, ids, options, ref)
-        report(cache)
+        report({"paged_cache": cache})
     phase("paged")
-    result = check_engine(model, ids, mask, options, ref)
+    result = {**check_engine(model, ids, mask, options, ref), **layers}
     return result if cache is None else {**result, "paged_cache": cache}
 
 
@@ -250,7 +288,27 @@ def markdown(results: dict[str, dict]) -> str:
         c = cache[name]
         column = c["outcome"] if clean(c.get("reason", "")) in ("", reason) else f"{c['outcome']}: {clean(c['reason'])}"
         lines.append(f"| {name} | {r['outcome']} | {reason} | {column} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + families(results, totals)) + "\n"
+
+
+def families(results: dict[str, dict], totals) -> list[str]:
+    """The table's second part: the model types grouped by the layer types they were built with (their first
+    per-layer list, usually `layer_types`), each with its layer count and the outcomes of the group."""
+    groups: dict[str, list[str]] = {}
+    for name, r in results.items():
+        lists = r.get("layer_types") or {}
+        kinds = sorted(set(next(iter(lists.values()), ()))) if "layers" in r else \
+            ["(not built)" if r["outcome"] == "not buildable" else "(layers not recorded)"]
+        groups.setdefault(", ".join(kinds) or "(no layer pattern)", []).append(name)
+    lines = ["", "## By layer types", "",
+             "Each model type is built with 2 layers, or with the fewest N >= 4 that hold every layer type of its "
+             "full-size config's pattern (benchmarks/census_layers.py); the number after each name is its N.", "",
+             "| layer types | model types (layers) | paged engine | PagedCache |", "|---|---|---|---|"]
+    for kinds, names in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
+        members = ", ".join(f"{n} ({results[n]['layers']})" if "layers" in results[n] else n for n in sorted(names))
+        cache = (results[n].get("paged_cache", {"outcome": "not run"})["outcome"] for n in names)
+        lines.append(f"| {kinds} | {members} | {totals(results[n]['outcome'] for n in names)} | {totals(cache)} |")
+    return lines
 
 
 def clean(text: str) -> str:
@@ -279,12 +337,12 @@ def run_worker(name: str, timeout: float, cache_check: bool = True) -> dict:
     reached = ([line["phase"] for line in lines if "phase" in line] or ["build"])[-1]
     outcome, doing = UNFINISHED[reached]
     result = {"outcome": outcome, "reason": f"{why} (during {doing})"}
+    parts = {k: v for line in lines if "phase" not in line for k, v in line.items()}  # what was reported
     if reached == "cache":
         return {**run_worker(name, timeout, cache_check=False), "paged_cache": result}
     if reached in ("build", "hf"):
-        return both(result, cache_check)
-    cache = [line["paged_cache"] for line in lines if "paged_cache" in line]
-    return {**result, "paged_cache": cache[-1]} if cache else result
+        return {**both(result, cache_check), **{k: v for k, v in parts.items() if k != "paged_cache"}}
+    return {**parts, **result}
 
 
 def main() -> int:
@@ -294,7 +352,8 @@ def main() -> int:
                         help="where the results go (JSON)")
     parser.add_argument("--update", action="store_true",
                         help="merge into the results already in --json (the table is written once they cover all)")
-    parser.add_argument("--markdown", default=str(ROOT / "docs" / "models.md"), help="the table (markdown)")
+    parser.add_argument("--markdown", help="the table (markdown), written for the results at hand (default: "
+                                           "docs/models.md, written once the results cover every type)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--no-cache-check", action="store_true", help=argparse.SUPPRESS)
@@ -302,7 +361,7 @@ def main() -> int:
     if args.worker:
         result = run_one(args.worker, lambda name: print(json.dumps({"phase": name}), flush=True),
                          cache_check=not args.no_cache_check,
-                         report=lambda cache: print(json.dumps({"paged_cache": cache}), flush=True))
+                         report=lambda part: print(json.dumps(part), flush=True))
         print(json.dumps(result))
         return 0
     results = json.loads(Path(args.json).read_text()) if args.update else {}
@@ -313,8 +372,10 @@ def main() -> int:
         print(f"{name:28s} {result['outcome']:14s} {cache.get('outcome', '-'):14s} {time.perf_counter() - start:5.1f}s "
               f"{result.get('reason', '')[:80]} / {cache.get('reason', '')[:80]}", flush=True)
     Path(args.json).write_text(json.dumps(results, indent=1))
-    if set(model_types()) <= set(results):  # a complete census
-        Path(args.markdown).write_text(markdown({n: results[n] for n in model_types()}))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results))
+    elif set(model_types()) <= set(results):  # a complete census
+        (ROOT / "docs" / "models.md").write_text(markdown({n: results[n] for n in model_types()}))
     bad = [n for n, r in results.items() if r["outcome"] in ("WRONG", "CRASH")]
     bad_cache = [n for n, r in results.items() if r.get("paged_cache", {}).get("outcome") in ("WRONG", "CRASH")]
     print(f"{len(results)} model types; silently wrong or crashed: {bad or 'none'}; "

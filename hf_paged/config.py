@@ -63,6 +63,12 @@ class EngineConfig:
     # decode-only steps as CUDA graphs, one per batch-size bucket (see cuda_graphs.py); only on CUDA devices.
     # True: each bucket is captured on first use; "at_start": all buckets when the engine starts; False: never
     cuda_graphs: bool | str = True
+    # models with state layers: prefix hits need the state at the hit point. The state after every
+    # `state_checkpoint_interval`-th block of a prompt (and after its last full block) is kept for later hits, in at
+    # most `state_checkpoints` checkpoints (least recently used dropped first; None: 2 x max_num_seqs; 0: no prefix
+    # hits on such models). Each holds one sequence's whole state (every state layer).
+    state_checkpoints: int | None = None
+    state_checkpoint_interval: int = 4
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "EngineConfig":
@@ -108,6 +114,8 @@ class EngineConfig:
         positive("max_model_len", allow_none=True)
         positive("long_prefill_token_threshold", low=0)
         positive("swap_space", allow_none=True, low=0)
+        positive("state_checkpoints", allow_none=True, low=0)
+        positive("state_checkpoint_interval")
         boolean("enable_chunked_prefill")
         boolean("enable_prefix_caching")
         if self.seed is not None:

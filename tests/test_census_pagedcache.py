@@ -13,7 +13,7 @@ spec.loader.exec_module(census)
     ("llama", "exact", ""),
     ("gemma2", "exact", ""),  # sliding-window layers keep every position; the mask applies the window
     ("jetmoe", "exact", ""),  # its attention reshapes the K/V the cache returns: the in-place probe keeps the copy
-    ("falcon_mamba", "refused", "holds attention K/V only"),  # state layers: PagedCache(config) refuses
+    ("falcon_mamba", "exact", ""),  # state layers: transformers' own LinearAttentionLayer inside the PagedCache
     ("xlnet", "HF rejects", "does not use a passed cache"),  # its own memory: a passed DynamicCache stays empty too
 ])
 def test_paged_cache_column(model_type, outcome, reason, one_torch_thread):

@@ -12,6 +12,7 @@ import torch
 import hf_paged
 from hf_paged.engine.runner import ModelRunner
 from hf_paged.kv.state import StateSlots
+from hf_paged.model.state_layers import StateView
 from hf_paged.tiny import HYBRIDS, tiny_hybrid
 
 from conftest import assert_same_as_hf, left_padded_batch
@@ -173,11 +174,82 @@ def test_state_memory_is_its_own(models):
     assert ssm.memory.cache.storage.numel() == 0 and ssm.spec.kv.attention_layers == ()
 
 
-def test_no_prefix_hits_on_state_models(models):
-    """A prefix hit would skip the state of the hit tokens: state models serve none (until state checkpoints)."""
+def shared_prefix_batch(prefix_len=24, suffixes=(3, 5, 2, 6), seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, 256, (prefix_len,), generator=gen).tolist()
+    return [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in suffixes]
+
+
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "falcon_h1"))
+def test_prefix_hits_restore_the_state(models, model_type):
+    """Prompts sharing 24 tokens (6 blocks of 4): the state after every 2nd block and after each prompt's last full
+    block is checkpointed; later prompts start from the checkpoint at the hit point. Same tokens as without prefix
+    caching (which equal HF's alone)."""
+    model = models(model_type)
+    batch = shared_prefix_batch()
+    plain, _ = run(model, batch, GREEDY, enable_prefix_caching=False)
+    cached, stats = run(model, batch, GREEDY, state_checkpoint_interval=2)
+    assert cached == plain
+    assert stats["prefix_cache_hit_tokens"] >= 3 * 24
+    again, stats = run(model, batch + batch, GREEDY, state_checkpoint_interval=2)  # whole prompts repeated
+    assert again == plain + plain
+
+
+def test_checkpoint_store_evicts_and_stays_exact(models):
+    """One checkpoint for many prefixes: the least recently used goes, hits shrink, tokens stay the same; no
+    checkpoints at all: no hits."""
     model = models("qwen3_5_text")
-    shared = prompts((16,))[0]
-    batch = [shared + [5, 6, 7], shared + [8, 9]]
-    out, stats = run(model, batch, GREEDY, enable_prefix_caching=True)
-    assert stats["prefix_cache_hit_tokens"] == 0
-    assert out == [run(model, [p], GREEDY)[0][0] for p in batch]
+    batch = shared_prefix_batch(seed=5) + shared_prefix_batch(seed=6)
+    plain, _ = run(model, batch, GREEDY, enable_prefix_caching=False)
+    small, stats = run(model, batch, GREEDY, state_checkpoints=1, state_checkpoint_interval=1)
+    assert small == plain and stats["prefix_cache_hit_tokens"] > 0
+    none, stats = run(model, batch, GREEDY, state_checkpoints=0)
+    assert none == plain and stats["prefix_cache_hit_tokens"] == 0
+
+
+def test_failed_step_drops_the_checkpoints_it_wrote(models, monkeypatch):
+    """A step that wrote checkpoints fails: they leave the store (their contents are unknown); the tokens equal an
+    undisturbed run."""
+    model = models("qwen3_5_text")
+    batch = shared_prefix_batch()
+    plain, _ = run(model, batch, GREEDY, enable_prefix_caching=False)
+    llm = hf_paged.LLM(model, num_blocks=64, block_size=4, state_checkpoint_interval=1, max_num_seqs=1)
+    for i, prompt in enumerate(batch):
+        llm.engine.add_request(prompt, GREEDY, request_id=str(i))
+    original, failed = StateView.write_back, []
+
+    def failing(self, checkpoints=None):
+        # half-way through a forward that writes checkpoints: layers 0 and 1 wrote theirs, layer 2 fails
+        if self.run.checkpoint is not None and self.layer == 2 and len(failed) < 2:
+            failed.append(1)
+            raise RuntimeError("injected")
+        return original(self, checkpoints)
+
+    monkeypatch.setattr(StateView, "write_back", failing)
+    while llm.engine.has_unfinished:
+        try:
+            llm.engine.step()
+        except RuntimeError:
+            assert not llm.engine.scheduler.kv.checkpoints.keys  # nothing else was kept before the failures
+    assert failed == [1, 1]
+    assert [list(llm.engine.groups[str(i)].samples[0].output_token_ids) for i in range(len(batch))] == \
+        [p[0] for p in plain]
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2"))
+def test_returned_cache_continues_like_hf(models, model_type):
+    """`return_dict_in_generate=True` returns a cache holding each row's state (and its attention K/V): a second
+    generate on it continues exactly as HF's own cache does."""
+    model = models(model_type)
+    ids, mask = left_padded_batch([5, 11, 17])
+    options = dict(max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    ref = model.generate(ids, attention_mask=mask, **options)
+    out = model.generate(ids, attention_mask=mask, cache_implementation="paged", **options)
+    assert torch.equal(out.sequences, ref.sequences)
+    longer = torch.cat([mask, torch.ones(3, 6, dtype=mask.dtype)], 1)
+    want = model.generate(ref.sequences, attention_mask=longer, cache=ref.past_key_values, max_new_tokens=5,
+                          do_sample=False)
+    got = model.generate(out.sequences, attention_mask=longer, cache=out.past_key_values, max_new_tokens=5,
+                         do_sample=False)
+    assert torch.equal(got, want)

@@ -10,7 +10,7 @@ import torch
 from ..attention.dispatch import unavailable
 from ..config import EngineConfig
 from ..kv import KVCacheManager
-from ..kv.state import StateSlots
+from ..kv.state import StateCheckpoints, StateSlots
 from ..model import check_paged_matches_model, describe_model
 from ..model.fingerprint import weights_fingerprint
 from ..model.kv_calibration import fp8_kv_scales
@@ -32,6 +32,14 @@ def _as_id_list(value) -> list[int]:
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _state_checkpoints(config: EngineConfig, device) -> StateCheckpoints | None:
+    """Where a model with state layers keeps states for prefix hits (None: no hits; see EngineConfig)."""
+    count = 2 * config.max_num_seqs if config.state_checkpoints is None else config.state_checkpoints
+    if not count or not config.enable_prefix_caching:
+        return None
+    return StateCheckpoints(device, count, config.state_checkpoint_interval)
 
 
 class Engine:
@@ -66,13 +74,16 @@ class Engine:
         self.memory = KVMemory(self.spec.kv, self.config)
         # state layers: one slot per running request (no prefix hits there: see KVCacheManager)
         states = StateSlots(device, self.config.max_num_seqs) if self.spec.has_state else None
-        kv = KVCacheManager(self.memory.num_blocks, self.config.block_size, self.config.enable_prefix_caching, states)
+        checkpoints = _state_checkpoints(self.config, device) if self.spec.has_state else None
+        kv = KVCacheManager(self.memory.num_blocks, self.config.block_size, self.config.enable_prefix_caching, states,
+                            checkpoints)
         costs = PreemptionCosts(copy_bytes_per_s=self.memory.copy_bytes_per_s) if self.memory.swap else None
         detokenize = self.detokenize if tokenizer is not None else None
         self.scheduler = Scheduler(self.config, kv, self.memory.swap, costs, self.max_model_len, detokenize)
         graphs = None if states is not None else DecodeGraphSettings.for_engine(
             self.config, device, self.memory.num_blocks, self.max_model_len)
-        self.runner = ModelRunner(model, self.spec, self.memory.cache, self.config.attention_backend, graphs, states)
+        self.runner = ModelRunner(model, self.spec, self.memory.cache, self.config.attention_backend, graphs, states,
+                                  None if kv.checkpoints is None else kv.checkpoints.store)
         # refuse a model we would serve wrong; one window on every layer: blocks behind it go back to the pool
         self.scheduler.release_window = check_paged_matches_model(model, self.spec, self.runner.backends)
         if self.memory.cache.quantized:  # fixed before any request stores K/V; graphs bake them in, so capture after

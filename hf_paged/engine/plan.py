@@ -29,6 +29,8 @@ class StepPlan:
     swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (host ids, device ids)
     blocks_to_clear: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source block, destination block)
+    # per entry of `requests`: state checkpoints its rows write, (rows in, checkpoint slot) (state models only)
+    checkpoints: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

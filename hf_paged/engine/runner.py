@@ -38,9 +38,10 @@ class ModelRunner:
     reads the prompt's pages and writes its K/V to the null block."""
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, kv_cache: KVCache, backend: str = "torch",
-                 graphs: DecodeGraphSettings | None = None, states: StateSlots | None = None):
+                 graphs: DecodeGraphSettings | None = None, states: StateSlots | None = None,
+                 checkpoints: StateSlots | None = None):
         self.model = model
-        self.states = states
+        self.states, self.checkpoints = states, checkpoints  # state slots, and where state checkpoints go
         self.spec = spec
         self.kv_cache = kv_cache
         self.backend = backend
@@ -76,7 +77,8 @@ class ModelRunner:
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
             end = start + n
-            sequences.append((len(input_ids), n, request.state_slot, start == 0, True))
+            checkpoints = batch.checkpoints[i] if batch.checkpoints else ()
+            sequences.append((len(input_ids), n, request.state_slot, start == 0, True, checkpoints))
             input_ids.extend(request.all_token_ids[start:end])
             if types is not None:
                 types.extend(request.types(start, end))
@@ -89,7 +91,7 @@ class ModelRunner:
             if end == request.num_tokens:
                 if request.needs_first_query:  # one more sequence: a query over the whole prompt, storing nothing
                     token, position = request.first_query
-                    sequences.append((len(input_ids), 1, request.state_slot, False, False))
+                    sequences.append((len(input_ids), 1, request.state_slot, False, False, ()))
                     input_ids.append(token)
                     if types is not None:
                         types.append(request.token_types[1])
@@ -107,7 +109,7 @@ class ModelRunner:
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             token_type_ids=None if types is None else torch.tensor([types], dtype=torch.long, device=device),
             metadata=metadata,
-            states=None if self.states is None else StateStep.build(self.states, sequences, device),
+            states=None if self.states is None else StateStep.build(self.states, sequences, device, self.checkpoints),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
             sampled=sampled,
         )

@@ -127,6 +127,8 @@ class Scheduler:
         plan.blocks_to_clear = self.kv.take_blocks_to_clear()
         plan.copies = self.kv.take_copies()
         self._hold_back(plan)
+        if self.kv.checkpoints is not None:
+            plan.checkpoints = [self.kv.reserve_checkpoints(r, n) for r, n in zip(plan.requests, plan.num_new_tokens)]
         self._plan_samples(plan)
         return plan
 

@@ -265,7 +265,7 @@ class GenerateRun:
 
     def run(self, engine: Engine) -> None:
         if self.config.return_dict_in_generate and self.config.use_cache is not False:
-            self.snapshots = KVSnapshots(engine.memory.cache)  # the returned cache: rows' K/V kept as they finish
+            self.snapshots = KVSnapshots(engine.memory.cache, engine.scheduler.kv.states)  # the returned cache: rows' K/V kept as they finish
             self.block_size = engine.config.block_size
             engine.scheduler.release_hooks.append(self.snapshots.keep)
         params = self.sampling_params()

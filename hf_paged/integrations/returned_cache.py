@@ -6,21 +6,27 @@ Each finished row's K/V is copied out of the engine's pages just before they are
 and placed at the row's real columns (its prompt's unmasked columns, then its generated ones); padding columns
 hold zeros, which the attention mask hides, as HF's own padding slots are. Sliding-window layers keep only what their
 next query sees (as after any write to a PagedCache): the engine may have given the rest back already.
+State layers (hybrid and state-space models) get each row's state after its computed tokens, copied out of its state
+slot at the same moment. A row that ended early (EOS) holds its state at its end: HF's own batch goes on feeding it
+padding, which changes HF's state of that row (not its K/V's meaning: the mask hides those columns).
 """
 from __future__ import annotations
 
 import torch
 
 from ..kv import KVCache
-from .paged_cache import PagedCache, PagedLayer
+from ..kv.state import StateSlots
+from .paged_cache import PagedCache, PagedLayer, StateLayer
 
 
 class KVSnapshots:
     """Per row (`Request.index`), every layer's K and V of its computed tokens, [tokens, heads, head_dim]."""
 
-    def __init__(self, cache: KVCache):
+    def __init__(self, cache: KVCache, states: StateSlots | None = None):
         self.cache = cache
-        self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.states = states
+        self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
+        self.state_rows: dict[int, dict] = {}  # row -> its state slot's contents {(layer, kind, index): tensor}
 
     def keep(self, request) -> None:
         """Release hook: copy the request's computed K/V out of its blocks (its block table is still valid)."""
@@ -30,6 +36,9 @@ class KVSnapshots:
         slots = (table[positions // size] * size + positions % size).to(self.cache.storage.device)
         layers = []
         for index, (keys, values) in enumerate(zip(self.cache.key_caches, self.cache.value_caches)):
+            if keys is None:  # a state layer: no K/V
+                layers.append(None)
+                continue
             k_scale, v_scale = self.cache.kv_scales[index] or (1.0, 1.0)
             k = keys.reshape(-1, *keys.shape[2:])[slots]
             v = values.reshape(-1, *values.shape[2:])[slots]
@@ -37,17 +46,21 @@ class KVSnapshots:
                 k, v = k.float() * k_scale, v.float() * v_scale
             layers.append((k.clone(), v.clone()))
         self.rows[request.index] = layers
+        if self.states is not None and request.state_slot >= 0:
+            self.state_rows[request.index] = self.states.save(request.state_slot)
 
     def build(self, model, input_mask: torch.Tensor | None, input_width: int, num_new: list[int],
               width: int, dtype: torch.dtype, block_size: int) -> PagedCache | None:
         """A PagedCache holding `width` columns per row (HF's cache length: `sequences` minus its last column).
         None when a row's K/V was not kept (it never finished normally)."""
-        if len(self.rows) != len(num_new):
+        if len(self.rows) != len(num_new) or (self.states is not None and len(self.state_rows) != len(num_new)):
             return None
         cache = PagedCache(model.config, block_size=block_size)
         num_layers = len(next(iter(self.rows.values())))
         for layer in range(num_layers):
             full_k = full_v = None
+            if self.rows[0][layer] is None:
+                continue
             for row in range(len(num_new)):
                 k, v = self.rows[row][layer]
                 if full_k is None:
@@ -62,7 +75,26 @@ class KVSnapshots:
         for paged in cache.layers:  # what a window left behind is gone (the engine may have released it: zeros)
             if isinstance(paged, PagedLayer) and paged.sliding_window:
                 paged.store.release_before(paged.first_visible(width))
+        if self.state_rows:
+            self._place_states(cache, len(num_new), width, dtype)
         return cache
+
+    def _place_states(self, cache: PagedCache, num_rows: int, width: int, dtype: torch.dtype) -> None:
+        """Each state layer gets every row's states, as transformers' own layer holds them after `width` tokens."""
+        device = self.cache.storage.device
+        for (layer, kind, index) in sorted(self.state_rows[0]):
+            target = cache.layers[layer]
+            if not isinstance(target, StateLayer):
+                raise ValueError(f"layer {layer} of the returned cache holds no state")
+            stacked = torch.stack([self.state_rows[row][(layer, kind, index)] for row in range(num_rows)]).to(device)
+            if kind == "conv":
+                target.lazy_initialization(conv_states=stacked, state_idx=index, conv_kernel_size=stacked.shape[-1])
+                target.conv_states[index].copy_(stacked)
+            else:
+                target.lazy_initialization(recurrent_states=stacked, state_idx=index)
+                target.recurrent_states[index].copy_(stacked)
+            target.has_previous_state[index] = True
+            target.cumulative_length_linear.fill_(width)
 
 
 def _real_columns(mask: torch.Tensor | None, row: int, input_width: int, num_new: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ from typing import Protocol
 
 from .block_pool import NULL_BLOCK, Block, BlockPool
 from .hashing import hash_block
-from .state import StateSlots
+from .state import StateCheckpoints, StateSlots
 
 
 class Sequence(Protocol):
@@ -47,16 +47,18 @@ class KVCacheManager:
     block (never counted, never freed), always a leading run of the table.
 
     On a model with state layers (`states`), every sequence that holds blocks also holds one state slot: taken when
-    it is admitted or forked (a fork's slot gets a copy of its parent's state), given back by `free`. No prefix hit is
-    ever served there (a hit would need the state at the hit point too).
+    it is admitted or forked (a fork's slot gets a copy of its parent's state), given back by `free`. A prefix hit
+    there also needs the state at the hit point: hits end at a block whose state was checkpointed (`checkpoints`,
+    written by the forward pass that computed the block: `reserve_checkpoints`); without checkpoints, no hits.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 states: StateSlots | None = None):
+                 states: StateSlots | None = None, checkpoints: StateCheckpoints | None = None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.states = states
-        self.enable_prefix_caching = enable_prefix_caching and states is None
+        self.checkpoints = checkpoints if states is not None and enable_prefix_caching else None
+        self.enable_prefix_caching = enable_prefix_caching and (states is None or self.checkpoints is not None)
         self.hit_tokens = 0
         self.query_tokens = 0
         self._fresh: list[int] = []  # handed out since the last take_blocks_to_clear() and not clean
@@ -78,12 +80,16 @@ class KVCacheManager:
         self.pool.begin()
         if self.states is not None:
             self.states.begin()
+        if self.checkpoints is not None:
+            self.checkpoints.begin()
         self._saved = (list(self._fresh), list(self._copies), bytes(self._clean), self.hit_tokens, self.query_tokens)
 
     def commit(self) -> None:
         self.pool.commit()
         if self.states is not None:
             self.states.commit()
+        if self.checkpoints is not None:
+            self.checkpoints.commit()
         self._saved = None
 
     def rollback(self) -> set[int]:
@@ -94,6 +100,8 @@ class KVCacheManager:
         allocated = self.pool.rollback()
         if self.states is not None:
             self.states.rollback()
+        if self.checkpoints is not None:
+            self.checkpoints.rollback()
         if self._saved is not None:
             fresh, copies, clean, self.hit_tokens, self.query_tokens = self._saved
             self._fresh, self._copies, self._clean = fresh, copies, bytearray(clean)
@@ -118,6 +126,8 @@ class KVCacheManager:
         last: if this is interrupted, the next call finds the change again and finishes it."""
         for block in list(self.pool.cached.values()):
             self.pool.uncache(block.block_id)
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         self._root = (self._contexts + 1).to_bytes(16, "little")
         self._contexts += 1
         self._context = context
@@ -142,6 +152,10 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.states is not None:  # a hit must end where the state was checkpointed
+            keys = request.block_hashes
+            while hits and self.checkpoints.find(keys[len(hits) - 1]) is None:
+                hits.pop()
         return hits
 
     def common_prefix_blocks(self, request: Sequence, other: Sequence) -> int:
@@ -167,7 +181,27 @@ class KVCacheManager:
         self.pool.touch(hits)
         request.block_table = [block.block_id for block in hits]
         self.take_state_slot(request)
+        if hits and self.states is not None:  # the state at the hit point, from its checkpoint
+            source = self.checkpoints.find(request.block_hashes[len(hits) - 1])
+            self.states.copy_from(self.checkpoints.store, source, request.state_slot)
         return len(hits) * self.block_size
+
+    def reserve_checkpoints(self, request: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Checkpoints the step that runs `num_new_tokens` of `request` is to write: (tokens into the step's rows
+        of the request after which the state is taken, checkpoint slot), for each prompt block boundary it crosses
+        that is an `interval`-th one or the prompt's last full block, and whose state is not kept already."""
+        if self.checkpoints is None or request.stale_kv:
+            return []
+        bs, start = self.block_size, request.num_computed_tokens
+        last = request.num_prompt_tokens // bs
+        found = []
+        for block in range(start // bs + 1, min(start + num_new_tokens, request.num_prompt_tokens) // bs + 1):
+            if block % self.checkpoints.interval and block != last:
+                continue
+            slot = self.checkpoints.reserve(self._hashes(request, block)[-1])
+            if slot is not None:
+                found.append((block * bs - start, slot))
+        return found
 
     def take_state_slot(self, request: Sequence) -> None:
         """Give `request` a state slot if the model has state layers and it holds none."""

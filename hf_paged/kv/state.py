@@ -8,6 +8,8 @@ starting from token 0 reads no state (`fresh`), exactly as the model's own forwa
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 StateKey = tuple  # (layer index, "conv" | "recurrent", state index)
@@ -96,6 +98,14 @@ class StateSlots:
             tensor[destination].copy_(tensor[source])
 
     @torch.inference_mode()
+    def copy_from(self, other: "StateSlots", source: int, destination: int) -> None:
+        """`destination` gets slot `source` of `other` (a checkpoint restored for a prefix hit)."""
+        for key, tensor in other.tensors.items():
+            if key not in self.tensors:
+                self.tensors[key] = tensor.new_zeros((self.capacity, *tensor.shape[1:]))
+            self.tensors[key][destination].copy_(tensor[source])
+
+    @torch.inference_mode()
     def save(self, slot: int) -> dict[StateKey, torch.Tensor]:
         """A copy of one slot's state in host memory (preemption by swap)."""
         return {key: tensor[slot].to("cpu", copy=True) for key, tensor in self.tensors.items()}
@@ -104,3 +114,64 @@ class StateSlots:
     def load(self, slot: int, saved: dict[StateKey, torch.Tensor]) -> None:
         for key, value in saved.items():
             self.tensors[key][slot].copy_(value)
+
+
+class StateCheckpoints:
+    """The state after some prompt blocks, kept so that a later request whose prompt starts with the same blocks can
+    start from there (a prefix hit on a model with state layers needs the state at the hit point, not only K/V).
+
+    Block key (the prefix chain hash of the block, `KVCacheManager._hashes`) -> slot of `store` (fixed capacity),
+    least recently used dropped first. `reserve` assigns a slot for a block a step is about to compute; the forward
+    pass writes it. A slot assigned in a step that is rolled back leaves the map (its contents are unknown), and so
+    does whatever key it held before."""
+
+    def __init__(self, device: torch.device, capacity: int, interval: int):
+        self.store = StateSlots(device, capacity)
+        self.interval = interval  # checkpoint every `interval`-th block boundary of a prompt (and its last one)
+        self.keys: OrderedDict[bytes, int] = OrderedDict()
+        self._saved: tuple | None = None
+        self._assigned: set[int] = set()  # slots (re)assigned since `begin`
+
+    def find(self, key: bytes) -> int | None:
+        slot = self.keys.get(key)
+        if slot is not None:
+            self.keys.move_to_end(key)
+        return slot
+
+    def reserve(self, key: bytes) -> int | None:
+        """A slot for the state after block `key` (None: it is kept already)."""
+        if key in self.keys:
+            return None
+        if self.store._free:
+            slot = self.store.allocate()
+        else:
+            oldest = next((k for k, s in self.keys.items() if s not in self._assigned), None)
+            if oldest is None:
+                return None  # every slot is being written in this step
+            slot = self.keys.pop(oldest)
+        self.keys[key] = slot
+        if self._saved is not None:  # inside a step: written by its forward pass
+            self._assigned.add(slot)
+        return slot
+
+    def clear(self) -> None:
+        for slot in self.keys.values():
+            self.store.free(slot)
+        self.keys.clear()
+
+    def begin(self) -> None:
+        self._saved = (OrderedDict(self.keys), list(self.store._free))
+        self._assigned = set()
+
+    def commit(self) -> None:
+        self._saved = None
+        self._assigned = set()
+
+    def rollback(self) -> None:
+        if self._saved is None:
+            return
+        keys, free = self._saved
+        self.keys, self.store._free = keys, free
+        for key in [k for k, s in self.keys.items() if s in self._assigned]:
+            self.store.free(self.keys.pop(key))
+        self._saved, self._assigned = None, set()

@@ -82,7 +82,7 @@ def _states(slots: StateSlots | None, query_lens: list[int], step: int) -> State
     if slots is None:
         return None
     starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
-    sequences = [(start, length, i, step == 0, True) for i, (start, length) in enumerate(zip(starts, query_lens))]
+    sequences = [(start, length, i, step == 0, True, ()) for i, (start, length) in enumerate(zip(starts, query_lens))]
     return StateStep.build(slots, sequences, slots.device)
 
 

@@ -33,38 +33,50 @@ class UnsupportedState(ValueError):
 @dataclass(slots=True)
 class StateRun:
     """One call of a state module in a step: the packed rows it takes, the slots of its sequences ([B] long on the
-    device), whether they start from no state (`fresh`, their first token is in these rows) and whether what the
-    module stores is kept (`store`; not for a query-only row reading a prompt's state)."""
+    device), whether they start from no state (`fresh`, their first token is in these rows), whether what the
+    module stores is kept (`store`; not for a query-only row reading a prompt's state) and the checkpoint slot that
+    gets a copy of it (`checkpoint`: the state after these rows, kept for prefix hits)."""
 
     rows: slice | torch.Tensor  # a slice: one sequence [1, L]; a tensor: B single-token sequences [B, 1]
     slots: torch.Tensor
     fresh: bool
     store: bool = True
+    checkpoint: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
 class StateStep:
-    """The state side of one packed forward: the slots and the runs in the order they must go (a query-only row
-    after the sequence whose state it reads)."""
+    """The state side of one packed forward: the slots, the checkpoint store and the runs in the order they must go
+    (a sequence's pieces in order, a query-only row after the sequence whose state it reads)."""
 
     slots: StateSlots
     runs: list[StateRun]
+    checkpoints: StateSlots | None = None
 
     @classmethod
-    def build(cls, slots: StateSlots, sequences: list[tuple[int, int, int, bool, bool]],
-              device: torch.device) -> "StateStep":
-        """`sequences`: (first packed row, number of rows, slot, fresh, store) in packed order."""
-        batched = [(start, slot) for start, length, slot, fresh, store in sequences
+    def build(cls, slots: StateSlots, sequences: list[tuple], device: torch.device,
+              checkpoints: StateSlots | None = None) -> "StateStep":
+        """`sequences`: (first packed row, number of rows, slot, fresh, store, checkpoints) in packed order, where
+        `checkpoints` lists (rows into the sequence, checkpoint slot): its run is cut there, and the state after the
+        cut is copied to the checkpoint."""
+        batched = [(start, slot) for start, length, slot, fresh, store, _ in sequences
                    if length == 1 and not fresh and store]
         runs = []
         if batched:
             rows, ids = zip(*batched)
             runs.append(StateRun(torch.tensor(rows, device=device), torch.tensor(ids, device=device), False))
-        for start, length, slot, fresh, store in sequences:
-            if length != 1 or fresh or not store:
-                runs.append(StateRun(slice(start, start + length), torch.tensor([slot], device=device), fresh, store))
+        for start, length, slot, fresh, store, cuts in sequences:
+            if length == 1 and not fresh and store:
+                continue
+            ids, first = torch.tensor([slot], device=device), 0
+            for offset, checkpoint in cuts:
+                runs.append(StateRun(slice(start + first, start + offset), ids, fresh and first == 0, store,
+                                     torch.tensor([checkpoint], device=device)))
+                first = offset
+            if first < length:
+                runs.append(StateRun(slice(start + first, start + length), ids, fresh and first == 0, store))
         runs.sort(key=lambda run: not run.store)  # readers of a state after every writer of this step
-        return cls(slots, runs)
+        return cls(slots, runs, checkpoints)
 
 
 class StateView:
@@ -145,10 +157,12 @@ class StateView:
         raise UnsupportedState(f"model type {self.model_type!r}: its state module (layer {self.layer}) calls "
                                f"cache.{name}, which hf_paged's state slots do not implement")
 
-    def write_back(self) -> None:
+    def write_back(self, checkpoints: StateSlots | None = None) -> None:
         if self.run.store:
             for (kind, index), value in self.values.items():
                 self.slots.write((self.layer, kind, index), self.run.slots, value)
+                if self.run.checkpoint is not None:
+                    checkpoints.write((self.layer, kind, index), self.run.checkpoint, value)
 
 
 def state_forward(layer: int, cache_keyword: str):
@@ -169,16 +183,19 @@ def state_forward(layer: int, cache_keyword: str):
             hidden_states = bound.pop(first)
             bound.pop(cache_keyword, None)
             extra = {**bound.pop("kwargs", {}), **bound}
-            odd = sorted(k for k, v in extra.items() if v is not None and v is not False and k not in IGNORED)
+            num_rows = hidden_states.shape[1]
+            per_row = {k: v for k, v in extra.items() if k not in IGNORED and _by_row(v, num_rows)}
+            odd = sorted(k for k, v in extra.items()
+                         if v is not None and v is not False and k not in IGNORED and k not in per_row)
             if odd or hidden_states.shape[0] != 1:
-                raise UnsupportedState(f"model type {model_type!r}: its state module (layer {layer}) got {odd or 'a batch'}"
-                                       f", which hf_paged's packed steps do not pass on")
+                raise UnsupportedState(f"model type {model_type!r}: its state module (layer {layer}) got "
+                                       f"{odd or 'a batch'}, which hf_paged's packed steps do not pass on")
             outputs = []
             for run in step.runs:
                 view = StateView(step.slots, layer, run, model_type)
-                rows = hidden_states[0, run.rows]
-                out = own(rows[None] if isinstance(run.rows, slice) else rows[:, None], **{cache_keyword: view})
-                view.write_back()
+                rows = {k: _rows(v, run.rows) for k, v in per_row.items()}
+                out = own(_rows(hidden_states, run.rows), **rows, **{cache_keyword: view})
+                view.write_back(step.checkpoints)
                 outputs.append((run.rows, out))
             return _packed(outputs, hidden_states.shape[1], model_type)
 
@@ -187,6 +204,21 @@ def state_forward(layer: int, cache_keyword: str):
 
 
 # keywords a state module may get that change nothing here (the engine's own, passed down every module; flags)
+def _by_row(value, num_rows: int) -> bool:
+    """Whether `value` holds one entry per packed row ([1, T, ...] tensors, or a tuple of them: rotary cos / sin)."""
+    if isinstance(value, tuple):
+        return bool(value) and all(_by_row(v, num_rows) for v in value)
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == num_rows
+
+
+def _rows(value, rows):
+    """The run's rows of a packed [1, T, ...] value: [1, L, ...] for one sequence, [B, 1, ...] for single tokens."""
+    if isinstance(value, tuple):
+        return tuple(_rows(v, rows) for v in value)
+    taken = value[0, rows]
+    return taken[None] if isinstance(rows, slice) else taken[:, None]
+
+
 IGNORED = frozenset({"attention_mask", "position_ids", "cache_position", "use_cache", "output_attentions",
                      "paged_context", "hf_paged_kv_shapes"})
 

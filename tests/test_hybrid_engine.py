@@ -253,3 +253,18 @@ def test_returned_cache_continues_like_hf(models, model_type):
     got = model.generate(out.sequences, attention_mask=longer, cache=out.past_key_values, max_new_tokens=5,
                          do_sample=False)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "falcon_h1"))
+def test_right_padding_runs_hf_loop_with_hf_tokens(models, model_type):
+    """HF's right-padded batch feeds the padding through the state layers (their state changes over it): such a
+    call runs HF's own loop on a PagedCache, and gives HF's tokens."""
+    model = models(model_type)
+    gen = torch.Generator().manual_seed(3)
+    ids, mask = torch.zeros(3, 9, dtype=torch.long), torch.zeros(3, 9, dtype=torch.long)
+    for row, length in enumerate((5, 9, 7)):
+        ids[row, :length] = torch.randint(3, 256, (length,), generator=gen)
+        mask[row, :length] = 1
+    want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="paged")
+    assert torch.equal(got, want)

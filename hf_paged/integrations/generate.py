@@ -20,6 +20,7 @@ from .generate_run import GenerateRun
 from .in_place import call_reading_in_place, in_place_configs, on_a_paged_cache
 from .paged_cache import PagedCache
 from ..model import describe_model, position_takers
+from ..model.state_layers import find_state_modules
 from ..model.probe import counts_padding
 
 PAGED = "paged"
@@ -185,6 +186,9 @@ def _hf_loop_reason(model, arguments: dict, extra: dict, config, model_kwargs: d
         reason = _engine_mask_reason(mask, _window_bites(model, span), _takes_positions(model))
         if reason is not None:
             return reason
+        if find_state_modules(model) and not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+            return ("padding after or between real tokens, with state layers (HF's batch feeds that padding through "
+                    "their state)")
         if counts_padding(model) and not bool(mask.all()):  # asked on every call with a mask: once per model
             return (f"model type {model.config.model_type!r}: its own forward counts the padding of a padded row in "
                     f"its positions (HF's padded batch), which the engine, serving each prompt at its own positions, "

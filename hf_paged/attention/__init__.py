@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv.slots import slots_of
 from .backends import AttentionBackend
 from .cpu_kernel import cpu_kernel_status
 from .extras import LayerExtras
@@ -49,8 +50,7 @@ def _metadata_of(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_t
     query_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     tables = block_tables.tolist()
     contexts = context_lens.tolist()
-    slots = [table[p // block_size] * block_size + p % block_size
-             for table, q, c in zip(tables, query_lens, contexts) for p in range(c - q, c)]
+    slots = [s for table, q, c in zip(tables, query_lens, contexts) for s in slots_of(table, c - q, c, block_size)]
     return AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, device)
 
 

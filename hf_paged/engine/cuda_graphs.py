@@ -69,6 +69,7 @@ import torch
 from ..attention import AttentionMetadata, SequenceGroupPlan, dispatch
 from ..config import EngineConfig, logger
 from ..kv import NULL_BLOCK
+from ..kv.slots import slot_of
 
 MAX_GRAPH_BATCH = 512  # larger decode batches are compute-bound enough that launches do not matter: eager
 # longest context a graph serves (longer decode steps run eagerly): it sizes every graph's block tables and, through the
@@ -283,7 +284,7 @@ class DecodeGraphRunner:
             used = pos // bs + 1
             ids[i] = request.all_token_ids[pos]
             positions[i] = pos + request.position_shift if pos >= request.num_prompt_tokens else pos
-            slots[i] = table[pos // bs] * bs + pos % bs
+            slots[i] = slot_of(table, pos, bs)
             contexts[i] = pos + 1
             tables[i, :used] = table[:used]
             if extent[i] > used:

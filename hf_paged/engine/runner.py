@@ -10,6 +10,7 @@ import time
 from ..attention import AttentionMetadata, choose_backends
 from ..kv import NULL_BLOCK, KVCache
 from ..kv.state import StateSlots
+from ..kv.slots import slots_of
 from ..model import (ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock, paged_attention_active,
                      require_enabled)
 from ..model.state_layers import StateStep
@@ -84,7 +85,7 @@ class ModelRunner:
                 types.extend(request.types(start, end))
             positions.extend(request.positions(start, end))
             table = request.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slots.extend(slots_of(table, start, end, bs))
             query_lens.append(n)
             context_lens.append(end)
             tables.append(table)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..kv import KVCache
+from ..kv.slots import slot_tensor
 from ..kv.state import StateSlots
 from .paged_cache import PagedCache, PagedLayer, StateLayer
 
@@ -33,7 +34,7 @@ class KVSnapshots:
         count, size = request.num_computed_tokens, self.cache.block_size
         positions = torch.arange(count)
         table = torch.tensor(request.block_table, dtype=torch.long)
-        slots = (table[positions // size] * size + positions % size).to(self.cache.storage.device)
+        slots = slot_tensor(table, positions, size).to(self.cache.storage.device)
         layers = []
         for index, (keys, values) in enumerate(zip(self.cache.key_caches, self.cache.value_caches)):
             if keys is None:  # a state layer: no K/V

@@ -13,6 +13,7 @@ import torch
 
 from .block_pool import NULL_BLOCK, BlockPool
 from .manager import blocks_needed, held
+from .slots import slot_tensor
 
 
 @dataclass(slots=True)
@@ -200,7 +201,7 @@ class PagedStore:
         device = next(iter(self.layers.values())).keys.device
         positions = torch.arange(start, stop, device=device)
         table = self.table_tensor(device)
-        return table[:, positions // self.block_size] * self.block_size + positions % self.block_size
+        return slot_tensor(table, positions, self.block_size)
 
     def _take(self, table: list[int]) -> None:
         for block_id in held(table):

@@ -34,6 +34,7 @@ import torch
 from ..attention import AttentionMetadata, choose_backends
 from ..attention.torch_backend import FP8_MAX
 from ..kv import KVCache
+from ..kv.slots import slots_of
 from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, paged_attention_active
 from .spec import ModelSpec
@@ -89,7 +90,7 @@ def measure_kv_maxima(model, spec: ModelSpec, sequences: list[list[int]]) -> lis
     for seq, table in zip(sequences, tables):
         ids += seq
         positions += range(len(seq))
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(len(seq))]
+        slots += slots_of(table, 0, len(seq), BLOCK_SIZE)
     lens = [len(s) for s in sequences]
     metadata = AttentionMetadata.build(lens, lens, tables, slots, BLOCK_SIZE, device)
     context = PagedForwardContext(metadata, cache, choose_backends("torch", device))

@@ -28,6 +28,7 @@ import torch
 
 from ..attention import AttentionBackends, AttentionMetadata
 from ..kv import KVCache
+from ..kv.slots import slots_of
 from ..kv.state import StateSlots
 from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_attention_active
@@ -60,7 +61,7 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
             first, last = cuts[step - 1] if step else 0, cuts[step]
             ids += seq[first:last]
             positions += list(range(first, last))
-            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(first, last)]
+            slots += slots_of(table, first, last, BLOCK_SIZE)
             query_lens.append(last - first)
             context_lens.append(last)
         metadata = AttentionMetadata.build(query_lens, context_lens, tables, slots, BLOCK_SIZE, device)

@@ -64,11 +64,11 @@ class EngineConfig:
     # True: each bucket is captured on first use; "at_start": all buckets when the engine starts; False: never
     cuda_graphs: bool | str = True
     # models with state layers: prefix hits need the state at the hit point. The state after every
-    # `state_checkpoint_interval`-th block of a prompt (and after its last full block) is kept for later hits, in at
-    # most `state_checkpoints` checkpoints (least recently used dropped first; None: 2 x max_num_seqs; 0: no prefix
-    # hits on such models). Each holds one sequence's whole state (every state layer).
+    # `state_checkpoint_interval`-th block of a prompt is kept for later hits, in at most `state_checkpoints`
+    # checkpoints (least recently used dropped first; None: 2 x max_num_seqs; 0: no prefix hits on such models).
+    # Each holds one sequence's whole state (every state layer).
     state_checkpoints: int | None = None
-    state_checkpoint_interval: int = 4
+    state_checkpoint_interval: int = 16
 
     @classmethod
     def from_dict(cls, options: dict | None) -> "EngineConfig":

@@ -75,3 +75,54 @@ def test_throughput_rounds_keep_the_fastest_and_pair_rounds():
     assert _best_of("hf_paged", 1, [run("hf_paged", 1.0), failed]) is failed
     with pytest.raises(RuntimeError, match="different tokens"):
         _best_of("hf_paged", 1, [run("hf_paged", 1.0), run("hf_paged", 2.0, tokens=((1, 3),))])
+
+
+
+def test_throughput_hybrid_smoke(tmp_path, monkeypatch):
+    """--arch qwen3_5_text: a Qwen3.5-shaped hybrid (3 Gated DeltaNet : 1 full attention); hf_paged and HF padded
+    generate give the same tokens; the report names the arch, the CPU model, the thread count and the load. The
+    workers run in this process (each subprocess would spend its time importing torch and transformers)."""
+    import torch
+
+    import hf_paged
+    from hf_paged.bench import throughput
+
+    emitted, argvs = [], []
+    monkeypatch.setattr(throughput, "emit_result", emitted.append)
+
+    def in_process(argv, timeout=None):
+        assert argv[:2] == ["-m", throughput.MODULE]
+        argvs.append(argv[2:])
+        try:
+            assert throughput.main(argv[2:]) == 0
+        finally:
+            hf_paged.enable()  # the hf_padded worker disables hf_paged
+        return emitted.pop()
+
+    monkeypatch.setattr(throughput, "run_worker", in_process)
+    threads = torch.get_num_threads()
+    try:
+        assert throughput.main(["--small", "--arch", "qwen3_5_text", "--requests", "3", "--max-tokens", "3",
+                                "--threads", "1", "--repeats", "2", "--json", str(tmp_path / "t.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert all(argv[argv.index("--arch") + 1] == "qwen3_5_text" for argv in argvs)
+    assert [argv[argv.index("--worker") + 1] for argv in argvs] == ["matmul"] + ["hf_paged", "hf_padded"] * 2
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["arch"] == "qwen3_5_text" and report["systems"] == ["hf_paged", "hf_padded"]
+    assert report["model"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert report["threads"] == 1 and "cpu_model" in report["machine"] and "before" in report["load_average"]
+    paged, padded = report["results"]
+    assert paged["output_tokens"] == padded["output_tokens"] == 9
+    assert paged["same_as_hf_padded"] == 3 and paged["vs_hf_padded"] > 0 and paged["vs_hf_padded_cpu"] > 0
+    assert len(paged["vs_hf_padded_cpu_per_round"]) == 2 and all(s > 0 for s in paged["round_cpu_seconds"])
+
+
+def test_throughput_cpu_seconds_pair_rounds():
+    """Speed-ups in worker CPU seconds are paired round by round, for hf_paged over hf_padded only."""
+    from hf_paged.bench.throughput import _paired_cpu_ratios
+
+    paged = {"system": "hf_paged", "requests": 1, "round_cpu_seconds": [2.0, 4.0]}
+    padded = {"system": "hf_padded", "requests": 1, "round_cpu_seconds": [4.0, 4.0]}
+    assert _paired_cpu_ratios([paged, padded], paged) == [2.0, 1.0]
+    assert _paired_cpu_ratios([paged], paged) is None and _paired_cpu_ratios([paged, padded], padded) is None

@@ -268,3 +268,16 @@ def test_right_padding_runs_hf_loop_with_hf_tokens(models, model_type):
     want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="paged")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("model_type", ("mamba2", "falcon_h1"))
+def test_prompts_starting_together_run_as_hfs_padded_batch(model_type):
+    """Prompts that start in the same step run through the state modules as one left-padded batch with HF's 2D
+    mask: with non-zero convolution biases the padding would otherwise leak into the state."""
+    model = tiny_hybrid(model_type)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Conv1d) and module.bias is not None:
+                module.bias.normal_(0, 1.0)
+    ids, mask = left_padded_batch([5, 11, 17])
+    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)

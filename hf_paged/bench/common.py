@@ -76,14 +76,28 @@ def matmul_gflops(size: int = 1024, repeats: int = 10) -> float:
 
 
 def machine_info() -> dict:
+    """Python, OS, CPU count and the CPU model: /proc/cpuinfo's "model name", else lscpu's "Model name"."""
     info = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "processor": platform.processor() or platform.machine()}
     try:
         with open("/proc/cpuinfo") as f:
             info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        try:
+            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+            info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                                     if line.startswith("Model name"))
+        except (OSError, subprocess.SubprocessError, StopIteration):
+            pass
     return info
+
+
+def machine_load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none): other work on the machine skews timings."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def format_table(headers: list[str], rows: list[list]) -> str:

@@ -9,6 +9,11 @@ Full run (takes a while; use a quiet machine):
 Quick smoke test: `hf-paged bench throughput --small` (hidden 128, 2 layers, vocab 1000, 4 and 8 requests,
 8 new tokens).
 
+`--arch qwen3_5_text`: a random Qwen3.5-shaped hybrid instead (hidden 512, 8 layers 3 Gated DeltaNet : 1 full
+attention, 8 heads / 2 KV heads of 64, linear attention 4 key / 8 value heads of 64, intermediate 1024, vocab 32000;
+`--small`: hidden 128, 4 layers), same prompts. HF's `generate_batch` does not run linear-attention layers, so the
+default systems there are hf_paged and hf_padded.
+
 Workload: random-weight Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1376, vocab 32000,
 fp32, sdpa), prompts of 16-200 random tokens (seed 0), `--max-tokens` new tokens each, greedy, EOS ignored.
 Systems:
@@ -21,6 +26,8 @@ Systems:
                      ContinuousBatchingConfig sizes the KV cache from host RAM (GBs, allocated on every call);
                      warmup=False skips its dummy max-size batches, which on CPU capture nothing.
   hf_generate_batch_sized  (opt-in via --systems) the same with ContinuousBatchingConfig(num_blocks=just enough)
+"CPU s" is the worker's process CPU time over the timed call (time.process_time): with --threads 1 it hardly moves
+when other work shares the machine, while wall seconds do; the JSON also records the load average before and after.
 Each (system, request count) runs in its own subprocess (same seed => identical weights and prompts), does a
 2-request/4-token warm-up, then times one call with time.perf_counter; engine construction (LLM(...)) is
 outside the timing, generate_batch's per-call manager start-up is inside it (that is its API). Peak RSS is
@@ -36,8 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-from .common import (add_common_args, emit_result, format_table, machine_info, matmul_gflops, peak_rss_mb, plot_path,
-                     pyplot, run_worker, save_figure, set_threads, write_json)
+from .common import (add_common_args, emit_result, format_table, machine_info, machine_load, matmul_gflops,
+                     peak_rss_mb, plot_path, pyplot, run_worker, save_figure, set_threads, write_json)
 
 SYSTEMS = ("hf_paged", "hf_padded", "hf_generate_batch")
 EXTRA = ("hf_generate_batch_sized",)  # opt-in: generate_batch with num_blocks sized to the workload
@@ -45,8 +52,41 @@ FULL = dict(model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads
                        intermediate_size=1376), prompt_len=(16, 200), requests=[16, 64], max_tokens=64)
 SMALL = dict(model=dict(vocab_size=1000, hidden=128, layers=2, heads=4, kv_heads=2, max_len=1024,
                         intermediate_size=344), prompt_len=(16, 200), requests=[4, 8], max_tokens=8)
+_THREE_TO_ONE = ["linear_attention"] * 3 + ["full_attention"]
+# hybrids (hf_paged.tiny.HYBRIDS): the same workload, a model of the family's shape; keys besides the generic ones
+# (vocab_size, hidden, layers, heads, kv_heads, max_len) are the family's config fields
+HYBRID_SETUPS = {
+    "qwen3_5_text": (
+        dict(FULL, model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024, head_dim=64,
+                              intermediate_size=1024, layer_types=_THREE_TO_ONE * 2, linear_num_key_heads=4,
+                              linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)),
+        dict(SMALL, model=dict(vocab_size=1000, hidden=128, layers=4, heads=4, kv_heads=2, max_len=1024, head_dim=32,
+                               intermediate_size=256, layer_types=_THREE_TO_ONE, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32))),
+}
+ARCHS = ("llama", *HYBRID_SETUPS)
 SEED = 0
 MODULE = "hf_paged.bench.throughput"
+
+
+def workload(arch: str, small: bool) -> dict:
+    """The model sizes, prompt lengths and default counts of one run."""
+    if arch == "llama":
+        return SMALL if small else FULL
+    return HYBRID_SETUPS[arch][1 if small else 0]
+
+
+def build_model(arch: str, sizes: dict):
+    """The benchmark's random model (seed SEED, output head not sharpened) of `arch` with `sizes` (a setup's model)."""
+    from hf_paged.tiny import tiny_hybrid, tiny_model
+
+    if arch == "llama":
+        return tiny_model("llama", seed=SEED, sharpen=1.0, **sizes)
+    rest = dict(sizes)
+    generic = {name: rest.pop(key) for key, name in (("vocab_size", "vocab_size"), ("hidden", "hidden"),
+               ("layers", "layers"), ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"),
+               ("max_len", "max_position_embeddings"))}
+    return tiny_hybrid(arch, seed=SEED, sharpen=1.0, **generic, **rest)
 
 
 def make_prompts(count: int, vocab: int, low: int, high: int, seed: int = SEED) -> list[list[int]]:
@@ -102,23 +142,23 @@ def worker(args, setup: dict) -> None:
         emit_result({"gflops": matmul_gflops(), "threads": threads})
         return
     import hf_paged
-    from hf_paged.tiny import tiny_model
 
     if args.worker != "hf_paged":
         hf_paged.disable()  # HF baselines run on unpatched transformers
-    model = tiny_model("llama", seed=SEED, sharpen=1.0, **setup["model"])
+    model = build_model(args.arch, setup["model"])
     runner = {"hf_paged": paged_runner, "hf_padded": padded_runner, "hf_generate_batch": generate_batch_runner,
               "hf_generate_batch_sized": lambda m: generate_batch_runner(m, sized=True)}[args.worker](model)
     vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]
     runner(make_prompts(2, vocab, low, high, seed=SEED + 1), 4)  # warm-up
     prompts = make_prompts(args.requests[0], vocab, low, high)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     tokens = runner(prompts, args.max_tokens)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     embed = model.get_input_embeddings().weight.numel()
     head = model.get_output_embeddings().weight.numel()
     total = sum(p.numel() for p in model.parameters())
-    emit_result({"system": args.worker, "requests": len(prompts), "seconds": seconds, "threads": threads,
+    emit_result({"system": args.worker, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
+                 "threads": threads,
                  "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": peak_rss_mb(), "tokens": tokens,
                  "params": {"total": total, "embedding": embed, "lm_head": head,
                             "non_embedding": total - embed - head}})
@@ -143,6 +183,7 @@ def _best_of(system: str, n: int, measured: list[dict]) -> dict:
         return failed[0]
     best = dict(min(measured, key=lambda r: r["seconds"]))
     best["round_seconds"] = [r["seconds"] for r in measured]
+    best["round_cpu_seconds"] = [r.get("cpu_seconds") for r in measured]
     best["peak_rss_mb"] = max(r["peak_rss_mb"] for r in measured)
     if any(r["tokens"] != best["tokens"] for r in measured):
         raise RuntimeError(f"{system} gave different tokens in different rounds at {n} requests")
@@ -155,6 +196,15 @@ def _paired_ratios(results: list[dict], n: int, system: str, base: str) -> list[
     if system not in group or base not in group:
         return None
     return [b / a for a, b in zip(group[system]["round_seconds"], group[base]["round_seconds"])]
+
+
+def _paired_cpu_ratios(results: list[dict], r: dict) -> list[float] | None:
+    """hf_paged's per-round speed-up over hf_padded in worker CPU seconds (`r` is hf_paged's result), or None."""
+    padded = next((x for x in results if x["system"] == "hf_padded" and x["requests"] == r["requests"]), {})
+    if r["system"] != "hf_paged" or None in (*r.get("round_cpu_seconds", [None]),
+                                             *padded.get("round_cpu_seconds", [None])):
+        return None
+    return [b / a for a, b in zip(r["round_cpu_seconds"], padded["round_cpu_seconds"])]
 
 
 # --- parent side ---------------------------------------------------------------------------------------
@@ -173,8 +223,9 @@ def plot(path: Path, report: dict) -> None:
     ax.set_xticks(report["requests"], [str(n) for n in report["requests"]])
     ax.set_xlabel("requests in one generate call")
     ax.set_ylabel("output tokens / s")
-    model = report["model"]
-    ax.set_title(f"random Llama (hidden {model['hidden']}, {model['layers']} layers), {report['max_tokens']} new "
+    model, arch = report["model"], report.get("arch", "llama")
+    name = "Llama" if arch == "llama" else arch
+    ax.set_title(f"random {name} (hidden {model['hidden']}, {model['layers']} layers), {report['max_tokens']} new "
                  f"tokens/request, {report['threads']} thread{'s' * (report['threads'] != 1)}", fontsize=10)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
@@ -185,21 +236,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-paged bench throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS + EXTRA, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS + EXTRA, default=None,
+                        help="default: all three (hf_paged and hf_padded for a hybrid --arch)")
+    parser.add_argument("--arch", choices=ARCHS, default="llama",
+                        help="the random model: Llama, or a hybrid of that family's shape (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of every system, interleaved; each system's fastest round is reported")
     add_common_args(parser, "throughput", (*SYSTEMS, *EXTRA, "matmul"), timeout=3600,
                     plot_help="output tok/s against the number of requests")
     args = parser.parse_args(argv)
-    setup = SMALL if args.small else FULL
+    setup = workload(args.arch, args.small)
+    args.systems = args.systems or (list(SYSTEMS) if args.arch == "llama" else ["hf_paged", "hf_padded"])
     args.requests = args.requests or setup["requests"]
     args.max_tokens = args.max_tokens or setup["max_tokens"]
     if args.worker:
         worker(args, setup)
         return 0
 
-    common_args = ["--max-tokens", str(args.max_tokens)] + (["--small"] if args.small else []) + \
-                  (["--threads", str(args.threads)] if args.threads else [])
+    common_args = ["--max-tokens", str(args.max_tokens), "--arch", args.arch] + (["--small"] if args.small else []) \
+        + (["--threads", str(args.threads)] if args.threads else [])
+    load_before = machine_load()
     matmul = run_worker(["-m", MODULE, "--worker", "matmul", *common_args], timeout=args.timeout)
     print(f"fp32 matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads",
           flush=True)
@@ -226,37 +282,46 @@ def main(argv: list[str] | None = None) -> int:
             r["prompt_tokens"], r["tok_per_s"] = prompt_tokens, output_tokens / r["seconds"]
         for r in (r for r in results if r["requests"] == n):
             if "error" in r:
-                rows.append([r["system"], n, "failed", None, None, None, None, None, None])
+                rows.append([r["system"], n, "failed", None, None, None, None, None, None, None, None])
                 continue
             r["complete"] = r["output_tokens"] == output_tokens
             r["vs_hf_padded"] = r["tok_per_s"] / group["hf_padded"]["tok_per_s"] if "hf_padded" in group else None
+            # CPU seconds of the worker process: less sensitive than wall time to other work on the machine
+            r["vs_hf_padded_cpu"] = group["hf_padded"]["cpu_seconds"] / r["cpu_seconds"] \
+                if "hf_padded" in group and r.get("cpu_seconds") else None
             base = group.get("hf_generate_batch")
             r["vs_hf_generate_batch"] = r["tok_per_s"] / base["tok_per_s"] if base else None
             r["matmul_limit_fraction"] = r["tok_per_s"] / limits[n] if limits[n] else None
             for base in ("hf_padded", "hf_generate_batch"):
                 if r["system"] != base and (paired := _paired_ratios(results, n, r["system"], base)):
                     r[f"vs_{base}_per_round"] = paired
+            if (cpu := _paired_cpu_ratios(results, r)) is not None:
+                r["vs_hf_padded_cpu_per_round"] = cpu
             r["same_as_hf_padded"] = sum(a == b for a, b in zip(r["tokens"], reference)) if reference else None
             pct = r["matmul_limit_fraction"]
             same = f"{r['same_as_hf_padded']}/{n}" if reference and r["system"] != "hf_padded" else None
-            rows.append([r["system"], n, r["seconds"], r["tok_per_s"], r["peak_rss_mb"], r["vs_hf_padded"],
-                         r["vs_hf_generate_batch"], None if pct is None else f"{100 * pct:.1f}%", same])
+            rows.append([r["system"], n, r["seconds"], r.get("cpu_seconds"), r["tok_per_s"], r["peak_rss_mb"],
+                         r["vs_hf_padded"], r["vs_hf_padded_cpu"], r["vs_hf_generate_batch"],
+                         None if pct is None else f"{100 * pct:.1f}%", same])
     for r in results:
         r.pop("tokens", None)
 
-    report = {"benchmark": "throughput", "small": args.small, "model": setup["model"], "dtype": "float32",
-              "prompt_len": list(setup["prompt_len"]), "seed": SEED, "max_tokens": args.max_tokens,
+    report = {"benchmark": "throughput", "arch": args.arch, "small": args.small, "model": setup["model"],
+              "dtype": "float32", "prompt_len": list(setup["prompt_len"]), "seed": SEED, "max_tokens": args.max_tokens,
               "requests": args.requests, "systems": args.systems, "threads": matmul["threads"],
               "matmul_gflops": matmul["gflops"], "params": params, "matmul_limit_tok_per_s": limits,
-              "machine": machine_info(), "results": results}
+              "machine": machine_info(), "load_average": {"before": load_before, "after": machine_load()},
+              "results": results}
     path = write_json(args.json, report)
     if params:
         print(f"\nmodel: {params['total'] / 1e6:.1f} M params ({params['non_embedding'] / 1e6:.1f} M non-embedding), "
               f"{args.max_tokens} new tokens/request; matmul-limit output tok/s: "
               + ", ".join(f"{n} req {v:.0f}" for n, v in limits.items() if v))
-    print(f"results written to {path}\n")
-    print(format_table(["system", "requests", "seconds", "out tok/s", "peak RSS MB", "x HF padded",
-                        "x HF gen_batch", "of matmul limit", "same tokens as padded"], rows))
+    print(f"results written to {path}")
+    print(f"CPU: {report['machine'].get('cpu_model', report['machine']['processor'])}, {report['threads']} torch "
+          f"threads; load average (1/5/15 min) before {load_before}, after {report['load_average']['after']}\n")
+    print(format_table(["system", "requests", "seconds", "CPU s", "out tok/s", "peak RSS MB", "x HF padded",
+                        "x padded CPU s", "x HF gen_batch", "of matmul limit", "same tokens as padded"], rows))
     if args.repeats > 1:
         print(f"\nseconds are each system's fastest of {args.repeats} interleaved rounds; speed-ups round by round:")
         for r in results:
@@ -264,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                 if (paired := r.get(f"vs_{base}_per_round")) and r["system"] == "hf_paged":
                     print(f"  hf_paged x {base:<17} {r['requests']:>3} requests: "
                           + " ".join(f"{v:.2f}" for v in paired) + f"  (median {statistics.median(paired):.2f})")
+            if cpu := r.get("vs_hf_padded_cpu_per_round"):
+                print(f"  hf_paged x hf_padded, CPU s {r['requests']:>3} requests: "
+                      + " ".join(f"{v:.2f}" for v in cpu) + f"  (median {statistics.median(cpu):.2f})")
     if (png := plot_path(args, path)) is not None:
         plot(png, report)
     return 0 if all("error" not in r for r in results) else 1

@@ -189,14 +189,14 @@ class KVCacheManager:
     def reserve_checkpoints(self, request: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Checkpoints the step that runs `num_new_tokens` of `request` is to write: (tokens into the step's rows
         of the request after which the state is taken, checkpoint slot), for each prompt block boundary it crosses
-        that is an `interval`-th one or the prompt's last full block, and whose state is not kept already."""
+        that is an `interval`-th one, and whose state is not kept already. (Each cut splits a prefill into separate
+        calls of the state modules: boundaries are taken sparingly.)"""
         if self.checkpoints is None or request.stale_kv:
             return []
         bs, start = self.block_size, request.num_computed_tokens
-        last = request.num_prompt_tokens // bs
         found = []
         for block in range(start // bs + 1, min(start + num_new_tokens, request.num_prompt_tokens) // bs + 1):
-            if block % self.checkpoints.interval and block != last:
+            if block % self.checkpoints.interval:
                 continue
             slot = self.checkpoints.reserve(self._hashes(request, block)[-1])
             if slot is not None:

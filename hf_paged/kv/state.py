@@ -127,7 +127,7 @@ class StateCheckpoints:
 
     def __init__(self, device: torch.device, capacity: int, interval: int):
         self.store = StateSlots(device, capacity)
-        self.interval = interval  # checkpoint every `interval`-th block boundary of a prompt (and its last one)
+        self.interval = interval  # checkpoint every `interval`-th block boundary of a prompt
         self.keys: OrderedDict[bytes, int] = OrderedDict()
         self._saved: tuple | None = None
         self._assigned: set[int] = set()  # slots (re)assigned since `begin`

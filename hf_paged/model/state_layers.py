@@ -37,11 +37,19 @@ class StateRun:
     module stores is kept (`store`; not for a query-only row reading a prompt's state) and the checkpoint slot that
     gets a copy of it (`checkpoint`: the state after these rows, kept for prefix hits)."""
 
-    rows: slice | torch.Tensor  # a slice: one sequence [1, L]; a tensor: B single-token sequences [B, 1]
+    # a slice: one sequence [1, L]; a tensor: B single-token sequences [B, 1]; a list of slices: B sequences that
+    # start here, left-padded to the longest into [B, L] with an attention mask (as HF's own padded batch runs them)
+    rows: slice | torch.Tensor | list
     slots: torch.Tensor
     fresh: bool
     store: bool = True
-    checkpoint: torch.Tensor | None = None
+    checkpoint: torch.Tensor | None = None  # per sequence: checkpoint slot, or -1 for none
+
+    def pieces(self) -> list["StateRun"]:
+        """A left-padded run as one run per sequence (for a module that takes no attention mask)."""
+        return [StateRun(rows, self.slots[i:i + 1], True, self.store,
+                         None if self.checkpoint is None or int(self.checkpoint[i]) < 0 else self.checkpoint[i:i + 1])
+                for i, rows in enumerate(self.rows)]
 
 
 @dataclass(slots=True)
@@ -58,23 +66,31 @@ class StateStep:
               checkpoints: StateSlots | None = None) -> "StateStep":
         """`sequences`: (first packed row, number of rows, slot, fresh, store, checkpoints) in packed order, where
         `checkpoints` lists (rows into the sequence, checkpoint slot): its run is cut there, and the state after the
-        cut is copied to the checkpoint."""
-        batched = [(start, slot) for start, length, slot, fresh, store, _ in sequences
-                   if length == 1 and not fresh and store]
-        runs = []
-        if batched:
-            rows, ids = zip(*batched)
-            runs.append(StateRun(torch.tensor(rows, device=device), torch.tensor(ids, device=device), False))
+        cut is copied to the checkpoint. Single-token sequences with a state run in one batched call, the first
+        pieces of sequences that start in this step in one left-padded call, every other piece alone."""
+        decodes, starts, pieces = [], [], []
         for start, length, slot, fresh, store, cuts in sequences:
             if length == 1 and not fresh and store:
+                decodes.append((start, slot))
                 continue
-            ids, first = torch.tensor([slot], device=device), 0
-            for offset, checkpoint in cuts:
-                runs.append(StateRun(slice(start + first, start + offset), ids, fresh and first == 0, store,
-                                     torch.tensor([checkpoint], device=device)))
-                first = offset
-            if first < length:
-                runs.append(StateRun(slice(start + first, start + length), ids, fresh and first == 0, store))
+            bounds = [0] + [offset for offset, _ in cuts] + ([length] if not cuts or cuts[-1][0] < length else [])
+            marks = [checkpoint for _, checkpoint in cuts] + [-1]
+            for i, (first, last) in enumerate(zip(bounds, bounds[1:])):
+                piece = (slice(start + first, start + last), slot, fresh and i == 0, store, marks[i])
+                (starts if piece[2] and store else pieces).append(piece)
+        runs = []
+        if decodes:
+            rows, ids = zip(*decodes)
+            runs.append(StateRun(torch.tensor(rows, device=device), torch.tensor(ids, device=device), False))
+        if len(starts) > 1:
+            rows, ids, _, _, marks = zip(*starts)
+            runs.append(StateRun(list(rows), torch.tensor(ids, device=device), True, True,
+                                 torch.tensor(marks, device=device) if max(marks) >= 0 else None))
+        else:
+            pieces = starts + pieces
+        for rows, slot, fresh, store, mark in pieces:
+            runs.append(StateRun(rows, torch.tensor([slot], device=device), fresh, store,
+                                 torch.tensor([mark], device=device) if mark >= 0 else None))
         runs.sort(key=lambda run: not run.store)  # readers of a state after every writer of this step
         return cls(slots, runs, checkpoints)
 
@@ -161,8 +177,10 @@ class StateView:
         if self.run.store:
             for (kind, index), value in self.values.items():
                 self.slots.write((self.layer, kind, index), self.run.slots, value)
-                if self.run.checkpoint is not None:
-                    checkpoints.write((self.layer, kind, index), self.run.checkpoint, value)
+                marks = self.run.checkpoint
+                if marks is not None:
+                    kept = (marks >= 0).nonzero().reshape(-1)
+                    checkpoints.write((self.layer, kind, index), marks[kept], value.index_select(0, kept))
 
 
 def state_forward(layer: int, cache_keyword: str):
@@ -172,6 +190,7 @@ def state_forward(layer: int, cache_keyword: str):
     def factory(module, owner):
         own = vars(module).get("forward") or type(module).forward.__get__(module)
         signature = inspect.signature(own)
+        takes_mask = "attention_mask" in signature.parameters
         model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
 
         def forward(*args, **kwargs):
@@ -191,9 +210,11 @@ def state_forward(layer: int, cache_keyword: str):
                 raise UnsupportedState(f"model type {model_type!r}: its state module (layer {layer}) got "
                                        f"{odd or 'a batch'}, which hf_paged's packed steps do not pass on")
             outputs = []
-            for run in step.runs:
+            for run in _runs(step.runs, takes_mask):
                 view = StateView(step.slots, layer, run, model_type)
                 rows = {k: _rows(v, run.rows) for k, v in per_row.items()}
+                if isinstance(run.rows, list):
+                    rows["attention_mask"] = _left_padding_mask(run.rows, hidden_states.device)
                 out = own(_rows(hidden_states, run.rows), **rows, **{cache_keyword: view})
                 view.write_back(step.checkpoints)
                 outputs.append((run.rows, out))
@@ -211,12 +232,37 @@ def _by_row(value, num_rows: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == num_rows
 
 
+def _runs(runs: list[StateRun], takes_mask: bool):
+    for run in runs:
+        if isinstance(run.rows, list) and not takes_mask:
+            yield from run.pieces()
+        else:
+            yield run
+
+
 def _rows(value, rows):
-    """The run's rows of a packed [1, T, ...] value: [1, L, ...] for one sequence, [B, 1, ...] for single tokens."""
+    """The run's rows of a packed [1, T, ...] value: [1, L, ...] for one sequence, [B, 1, ...] for single tokens,
+    [B, L, ...] left-padded with zeros for sequences that start here."""
     if isinstance(value, tuple):
         return tuple(_rows(v, rows) for v in value)
+    if isinstance(rows, list):
+        width = max(r.stop - r.start for r in rows)
+        padded = value.new_zeros((len(rows), width, *value.shape[2:]))
+        for i, r in enumerate(rows):
+            padded[i, width - (r.stop - r.start):] = value[0, r]
+        return padded
     taken = value[0, rows]
     return taken[None] if isinstance(rows, slice) else taken[:, None]
+
+
+def _left_padding_mask(rows: list, device: torch.device) -> torch.Tensor | None:
+    """HF's 2D mask of a left-padded batch (None when no row is padded, as HF passes it)."""
+    lengths = [r.stop - r.start for r in rows]
+    width = max(lengths)
+    if min(lengths) == width:
+        return None
+    return (torch.arange(width, device=device)[None] >= torch.tensor([width - n for n in lengths],
+                                                                      device=device)[:, None]).long()
 
 
 IGNORED = frozenset({"attention_mask", "position_ids", "cache_position", "use_cache", "output_attentions",
@@ -235,7 +281,12 @@ def _packed(outputs: list, num_rows: int, model_type: str):
 
 
 def _join(pieces: list, num_rows: int) -> torch.Tensor:
-    parts = [(rows, out[0] if isinstance(rows, slice) else out[:, 0]) for rows, out in pieces]
+    parts = []
+    for rows, out in pieces:
+        if isinstance(rows, list):  # left-padded: each sequence's rows are the last ones of its line
+            parts += [(r, out[i, out.shape[1] - (r.stop - r.start):]) for i, r in enumerate(rows)]
+        else:
+            parts.append((rows, out[0] if isinstance(rows, slice) else out[:, 0]))
     output = parts[0][1].new_empty((num_rows, *parts[0][1].shape[1:]))
     for rows, part in parts:
         output[rows] = part

@@ -82,17 +82,37 @@ class StateStep:
         if decodes:
             rows, ids = zip(*decodes)
             runs.append(StateRun(torch.tensor(rows, device=device), torch.tensor(ids, device=device), False))
-        if len(starts) > 1:
-            rows, ids, _, _, marks = zip(*starts)
+        for group in _similar_lengths(starts):
+            if len(group) == 1:
+                pieces.insert(0, group[0])
+                continue
+            rows, ids, _, _, marks = zip(*group)
             runs.append(StateRun(list(rows), torch.tensor(ids, device=device), True, True,
                                  torch.tensor(marks, device=device) if max(marks) >= 0 else None))
-        else:
-            pieces = starts + pieces
         for rows, slot, fresh, store, mark in pieces:
             runs.append(StateRun(rows, torch.tensor([slot], device=device), fresh, store,
                                  torch.tensor([mark], device=device) if mark >= 0 else None))
         runs.sort(key=lambda run: not run.store)  # readers of a state after every writer of this step
         return cls(slots, runs, checkpoints)
+
+
+PADDING_WASTE = 0.25  # a left-padded batch of starting sequences computes at most this share of padding rows
+
+
+def _similar_lengths(starts: list) -> list[list]:
+    """Sequences starting in a step, longest first, in groups whose padding to the group's longest stays within
+    PADDING_WASTE of their real rows (fewer calls of the state modules, little padding computed)."""
+    groups: list[list] = []
+    for piece in sorted(starts, key=lambda p: p[0].stop - p[0].start, reverse=True):
+        group = groups[-1] if groups else None
+        if group is not None:
+            width = group[0][0].stop - group[0][0].start
+            real = sum(p[0].stop - p[0].start for p in group) + piece[0].stop - piece[0].start
+            if width * (len(group) + 1) <= (1 + PADDING_WASTE) * real:
+                group.append(piece)
+                continue
+        groups.append([piece])
+    return groups
 
 
 class StateView:

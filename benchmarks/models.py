@@ -26,8 +26,8 @@ A second check per model (the PagedCache column): HF's own greedy `generate` loo
 `hf_paged.PagedCache(model.config)` (`generate(..., cache=PagedCache(config))`), the same inputs, compared token for
 token with HF's default generate (its DynamicCache) above. Outcomes as above (no "exact (unpadded)": both runs are
 HF's, padding included), plus:
-  refused         PagedCache raised ValueError: it holds attention K/V only, a model with linear-attention / state
-                  layers is refused when the cache is built (the reason is listed)
+  refused         PagedCache raised ValueError: a layer type it cannot hold (indexed / compressed sparse attention)
+                  is refused when the cache is built (the reason is listed)
   HF rejects      HF's generate fails with a passed cache of the model's layer types: with
                   `DynamicCache(config=model.config)` passed the same way it fails too (the PagedCache's error listed),
                   or the model's code leaves a passed cache unused (a passed DynamicCache stays empty too)

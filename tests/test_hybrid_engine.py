@@ -17,6 +17,7 @@ from hf_paged.tiny import HYBRIDS, tiny_hybrid
 
 from conftest import assert_same_as_hf, left_padded_batch
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread, no spinning on a busy machine
 FAMILIES = sorted(HYBRIDS)
 PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2")
 

@@ -43,6 +43,23 @@ POINTS = [
     ("hf_paged.engine.scheduler", "Scheduler._release"),
     ("hf_paged.request", "Request.finish"),
 ]
+# the points only a model with state layers reaches (kv/state.py: slots taken at admission / fork / swap-in, a fork's
+# copy, swap-out's save to host and swap-in's load, the forward pass's reads and writes, free; the prefix-hit
+# checkpoints: looked up, reserved for a step's block boundaries, restored into a slot): the soak adds them to POINTS
+# on such models (the step matrix of tests/test_step_atomic.py runs a Llama, which never calls them)
+STATE_POINTS = [
+    ("hf_paged.kv.state", "StateSlots.allocate"),
+    ("hf_paged.kv.state", "StateSlots.free"),
+    ("hf_paged.kv.state", "StateSlots.copy"),
+    ("hf_paged.kv.state", "StateSlots.save"),
+    ("hf_paged.kv.state", "StateSlots.load"),
+    ("hf_paged.kv.state", "StateSlots.read"),
+    ("hf_paged.kv.state", "StateSlots.write"),
+    ("hf_paged.kv.state", "StateSlots.copy_from"),
+    ("hf_paged.kv.state", "StateCheckpoints.find"),
+    ("hf_paged.kv.state", "StateCheckpoints.reserve"),
+    ("hf_paged.kv.manager", "KVCacheManager.reserve_checkpoints"),
+]
 
 
 class InjectedFault(Exception):
@@ -72,18 +89,19 @@ class Faults:
     armed: bool = False
     injected: int = 0
     hit: list[str] = field(default_factory=list)  # "path when error" of each fault that fired
+    points: list = field(default_factory=lambda: POINTS)  # where faults are drawn from
     _restore: tuple | None = None
 
     @classmethod
-    def draw(cls, rng: random.Random) -> "Faults":
-        faults = cls(rng, rng.choice([0, 0, 1, 2]))
+    def draw(cls, rng: random.Random, points: list | None = None) -> "Faults":
+        faults = cls(rng, rng.choice([0, 0, 1, 2]), points=points or POINTS)
         faults._next(rng.choice([0, rng.randint(0, 8), rng.randint(0, 40)]))
         return faults
 
     def _next(self, start: int) -> None:
         rng = self.rng
         error = InjectedFault("injected") if rng.random() < 0.5 else KeyboardInterrupt()
-        self.current = Fault(rng.choice(POINTS), rng.choice([1, 1, 2, 3, rng.randint(1, 12)]),
+        self.current = Fault(rng.choice(self.points), rng.choice([1, 1, 2, 3, rng.randint(1, 12)]),
                              rng.choice(["before", "after"]), error, start)
         self.injected += 1
         self._install()

@@ -1,6 +1,7 @@
 """The soak test (benchmarks/soak.py) in CI size: the same code path, a few rounds, zero violations (also with each
-extra mode: faults, consumers, weight changes, fp8); the reproducers of the bugs it found; and proof that its checks
-catch a broken engine."""
+extra mode: faults, consumers, weight changes, fp8; and on a hybrid model with state layers, alone and taking turns
+with a mixed sliding-window / full-attention model); the reproducers of the bugs it found; proof that its checks catch
+a broken engine; and that each fault point it adds on state models is reached and atomic."""
 import importlib.util
 import random
 import sys
@@ -157,7 +158,8 @@ def test_the_fault_points_are_the_step_matrix():
     each one names a callable that exists."""
     points = soak_faults.POINTS
     assert len(points) == len(set(points)) >= 23
-    for module_name, path in points:
+    assert not set(points) & set(soak_faults.STATE_POINTS)  # those only on models with state layers
+    for module_name, path in points + soak_faults.STATE_POINTS:
         owner = importlib.import_module(module_name)
         for name in path.split("."):
             owner = getattr(owner, name)
@@ -216,3 +218,121 @@ def test_the_soak_catches_results_handed_to_another_consumer(model, monkeypatch)
     monkeypatch.setattr(LLM, "_unclaimed", lambda self, request_id: True)
     report = run_mode(model, monkeypatch, "consumers")
     assert report["consumer_rounds"] > 0 and report["foreign"] + report["exceptions"] > 0, report
+
+
+# ---- other models: hybrid (state layers) and mixed sliding / full attention -------------------------------------
+@pytest.fixture(scope="module")
+def hybrid():
+    from hf_paged.tiny import tiny_hybrid
+
+    return tiny_hybrid("qwen3_5_text")  # Gated DeltaNet state layers and a full-attention layer
+
+
+def test_soak_on_a_hybrid_model_has_no_violations(hybrid, monkeypatch):
+    """A few small rounds on a hybrid model through recompute / swap / auto, every stream round with injected faults
+    and every round drawn for fp8 (refused on state layers: run unquantized, noted): outputs as on an unpressured
+    engine, and after each round every block and every state slot is free (`check_idle`)."""
+    monkeypatch.setitem(soak.RATES, "faults", 1.0)
+    monkeypatch.setitem(soak.RATES, "fp8", 1.0)
+    report = soak.run_soak(requests=27, seed=3, model=hybrid, faults=True, fp8=True, round_sizes=(9, 9))
+    assert report["violations"] == []
+    assert all(report[k] == 0 for k in soak.VIOLATION_COUNTS), report
+    assert report["rounds"] >= 3 and report["compared"] > 20, report
+    assert report["recomputed_tokens"] > 0 and report["swap_outs"] > 0 and report["faults_hit"] > 0, report
+    assert report["fp8_rounds"] == 0 and report["fp8_skipped"] == report["rounds"] and report["notes"], report
+
+
+def test_soak_rotates_models(hybrid):
+    """`model` as a list: the models take the rounds in turn, each one round per preemption mode in a row (a mixed
+    sliding-window / full-attention Gemma 3 with an 8-token window here: most prompts cross it)."""
+    gemma3 = soak.mixed_window_model()
+    assert set(gemma3.config.layer_types) == {"sliding_attention", "full_attention"}
+    report = soak.run_soak(requests=18, seed=4, model=[gemma3, hybrid], round_sizes=(3, 3))
+    assert report["violations"] == []
+    assert all(report[k] == 0 for k in soak.VIOLATION_COUNTS), report
+    rounds = report["model_rounds"]  # a generate() round leaves out the requests drawn to be aborted: 6 rounds or more
+    assert set(rounds) == {"gemma3_text", "qwen3_5_text"} and min(rounds.values()) == 3, report
+
+
+@pytest.mark.parametrize("method", ["copy", "load"])
+def test_the_soak_catches_a_state_not_carried_over(hybrid, monkeypatch, method):
+    """A fork that does not copy its parent's state (`copy`), a swap-in that does not restore the saved state
+    (`load`): the slot holds another sequence's state or zeros, and the tokens differ from the unpressured run."""
+    from hf_paged.kv.state import StateSlots
+
+    monkeypatch.setattr(StateSlots, method, lambda self, *args: None)
+    report = soak.run_soak(requests=12, seed=3, model=hybrid, round_sizes=(6, 6))
+    assert report["mismatches"] > 0, report
+
+
+def test_the_soak_catches_a_leaked_state_slot(hybrid, monkeypatch):
+    """A state slot never given back (its request's blocks are) is a leak at the end of the round."""
+    from hf_paged.kv.state import StateSlots
+
+    monkeypatch.setattr(StateSlots, "free", lambda self, slot: None)
+    report = soak.run_soak(requests=4, seed=3, model=hybrid, round_sizes=(4, 4))
+    assert report["leaks"] > 0 and any("state slots" in v for v in report["violations"]), report
+
+
+SHARED = list(range(10, 34))  # six blocks of 4: checkpointed by a first request, hit by the later ones
+STATE_PROMPTS = [SHARED + [40, 41], list(range(60, 90)), SHARED + [50]]
+STATE_PARAMS = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, n=2),
+                SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True)]
+# a fork, prefix hits from state checkpoints taken at every block boundary, swaps (the samples outgrow the pool)
+STATE_OPTIONS = dict(block_size=4, num_blocks=16, max_num_batched_tokens=16, max_num_seqs=8, preemption_mode="swap",
+                     swap_space=1 << 20, attention_backend="torch", state_checkpoint_interval=1)
+
+
+@pytest.fixture(scope="module")
+def state_expected(hybrid):
+    outs = soak.reference_engine(hybrid).generate(STATE_PROMPTS, STATE_PARAMS, use_tqdm=False)
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("index", range(len(soak_faults.STATE_POINTS)),
+                         ids=[p[1] for p in soak_faults.STATE_POINTS])
+def test_a_failed_step_at_a_state_point_changes_nothing(hybrid, state_expected, monkeypatch, index):
+    """Each point the soak adds on state models is reached by a small workload (fork, checkpoint hits, swap out and
+    in), and a step failing there (before or after it did its work, Exception or KeyboardInterrupt) changes nothing:
+    stepping on gives the unpressured tokens, every block and state slot free at the end."""
+    module_name, path = soak_faults.STATE_POINTS[index]
+    when, error = ("before", KeyboardInterrupt()) if index % 2 else ("after", soak_faults.InjectedFault("injected"))
+    owner_name, _, name = path.rpartition(".")
+    owner = getattr(importlib.import_module(module_name), owner_name)
+    original, calls = getattr(owner, name), [0]
+
+    def wrapped(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1 and when == "before":
+            raise error
+        result = original(*args, **kwargs)
+        if calls[0] == 1 and when == "after":
+            raise error
+        return result
+
+    llm = LLM(hybrid, **STATE_OPTIONS)
+    llm.generate([SHARED + [99]], SamplingParams(max_tokens=1), use_tqdm=False)  # the shared blocks' checkpoints
+    for i, (prompt, params) in enumerate(zip(STATE_PROMPTS, STATE_PARAMS)):
+        llm.add_request(prompt, params, request_id=str(i))
+    monkeypatch.setattr(owner, name, wrapped)
+    ended, raised = {}, False
+    while llm.has_unfinished_requests():
+        try:
+            outs = llm.step()
+        except BaseException as e:  # noqa: BLE001 - the injected error, whatever its class
+            if e is not error:
+                raise
+            raised = True
+            monkeypatch.undo()
+            continue
+        for out in outs:
+            for c in out.outputs:
+                if c.finish_reason is not None:
+                    assert (out.request_id, c.index) not in ended
+                    ended[(out.request_id, c.index)] = c.token_ids
+    monkeypatch.undo()
+    assert raised, f"{path} was never reached: the case tests nothing"
+    assert [[ended.get((str(i), k)) for k in range(p.n)] for i, p in enumerate(STATE_PARAMS)] == state_expected
+    llm.engine.check_idle()
+    assert llm.stats()["num_swap_outs"] > 0 and llm.stats()["prefix_cache_hit_tokens"] > 0

@@ -35,6 +35,18 @@ def poisoned_free_slots(monkeypatch):
                 tensor[slot] = 7.0
 
     monkeypatch.setattr(StateSlots, "free", free)
+    write = StateSlots.write
+
+    def poisoned_write(self, key, slots, values):  # a slot's state tensor starts as garbage, not zeros
+        new = key not in self.tensors
+        write(self, key, slots, values)
+        if new:
+            with torch.inference_mode():
+                rest = torch.ones(self.capacity, dtype=torch.bool)
+                rest[slots.cpu()] = False
+                self.tensors[key][rest.to(self.tensors[key].device)] = 7.0
+
+    monkeypatch.setattr(StateSlots, "write", poisoned_write)
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +294,17 @@ def test_prompts_starting_together_run_as_hfs_padded_batch(model_type):
                 module.bias.normal_(0, 1.0)
     ids, mask = left_padded_batch([5, 11, 17])
     assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)
+
+
+def test_a_prompt_ending_in_a_one_token_chunk_writes_its_checkpoint(models):
+    """The last chunk of a prompt is one token that ends a checkpointed block: it runs as its own piece (not in the
+    batched decode call), so the checkpoint is written; a later prompt hitting that block gets the right state."""
+    model = models("qwen3_5_text")
+    shared = prompts((8,), seed=7)[0]
+    longer = shared + [11, 12, 13, 14]
+    want, _ = run(model, [longer], GREEDY, enable_prefix_caching=False)
+    llm = hf_paged.LLM(model, num_blocks=64, block_size=4, state_checkpoint_interval=1, long_prefill_token_threshold=7)
+    llm.generate([shared], GREEDY, use_tqdm=False)  # chunks of 7 and 1 tokens: the 1-token chunk ends block 2
+    got = llm.generate([longer], GREEDY, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hit_tokens"] == 8
+    assert [list(got[0].outputs[0].token_ids)] == want[0]

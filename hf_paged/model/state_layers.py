@@ -70,7 +70,7 @@ class StateStep:
         pieces of sequences that start in this step in one left-padded call, every other piece alone."""
         decodes, starts, pieces = [], [], []
         for start, length, slot, fresh, store, cuts in sequences:
-            if length == 1 and not fresh and store:
+            if length == 1 and not fresh and store and not cuts:  # (a prompt's last token may end a checkpoint)
                 decodes.append((start, slot))
                 continue
             bounds = [0] + [offset for offset, _ in cuts] + ([length] if not cuts or cuts[-1][0] < length else [])

@@ -46,9 +46,10 @@ class Request:
 
     Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
     `num_computed_tokens <= len(all_token_ids)` counts tokens whose K/V are in the cache;
-    `block_table` holds ceil(num_computed_tokens / block_size) or more physical block ids while the
-    request holds memory (on a model with one sliding window on every layer, a leading run of them may be the null
-    block: given back behind the window), and is empty while it waits. Only the scheduler changes `status`,
+    `block_tables` (one per KV group, written by the KV manager only) each hold ceil(num_computed_tokens /
+    block_size) or more physical block ids while the request holds memory (in a group whose layers attend through a
+    sliding window, a leading run of them may be the null block: given back behind the window), and there are none
+    while it waits; `block_table` is the first group's. Only the scheduler changes `status`,
     `num_computed_tokens` and the outputs (through `append_token` / `finish`).
     """
 
@@ -63,7 +64,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None
@@ -103,6 +104,15 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.group.request_id!r}, sample={self.sample_index}, status={self.status.value}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table (the only one of a model whose attention layers share one kind)."""
+        return self.block_tables[0] if self.block_tables else []
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables = [table] if table else []
 
     @property
     def index(self) -> int:
@@ -173,7 +183,7 @@ class Request:
 
     def snapshot(self) -> tuple:
         """Everything a step may change in this request (see `restore`)."""
-        return (self.status, self.num_computed_tokens, list(self.block_table), len(self.output_token_ids),
+        return (self.status, self.num_computed_tokens, [list(t) for t in self.block_tables], len(self.output_token_ids),
                 self.finish_reason, self.error, self.stop_reason, None if self.logprobs is None else len(self.logprobs),
                 None if self.generator is None else self.generator.get_state(), self.num_preemptions,
                 self.first_token_time, self.finished_time, self.num_cached_tokens, len(self.block_hashes),
@@ -182,7 +192,7 @@ class Request:
 
     def restore(self, saved: tuple) -> None:
         """Put back what `snapshot` saw (a failed step is undone; outputs only ever grow within one)."""
-        (self.status, self.num_computed_tokens, self.block_table, num_outputs, self.finish_reason, self.error,
+        (self.status, self.num_computed_tokens, self.block_tables, num_outputs, self.finish_reason, self.error,
          self.stop_reason, num_logprobs, generator_state, self.num_preemptions, self.first_token_time,
          self.finished_time, self.num_cached_tokens, num_hashes, self.num_published_blocks, self.swapped_blocks,
          self.forks, self.stale_kv, self.state_slot, self.swapped_state) = saved

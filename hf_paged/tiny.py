@@ -112,6 +112,39 @@ def tiny_hybrid(model_type: str, seed: int = 0, sharpen: float = 8.0, layers: in
     return model.eval()
 
 
+_FIVE_TO_ONE = ["sliding_attention"] * 5 + ["full_attention"]
+# stacks mixing sliding-window and full-attention layers, in the family's own pattern
+MIXED = {
+    "gemma3_text": dict(layer_types=_FIVE_TO_ONE, head_dim=16, query_pre_attn_scalar=16),
+    "gemma2": dict(layer_types=["sliding_attention", "full_attention"] * 3, head_dim=16, query_pre_attn_scalar=16,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=30.0),
+    "cohere2": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"], logit_scale=1.0),
+    "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"] * 2, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2),
+}
+
+
+def tiny_mixed(model_type: str, window: int = 8, seed: int = 0, sharpen: float = 8.0, hidden: int = 64,
+               vocab_size: int = 256, max_len: int = 512, dtype=torch.float32, **overrides):
+    """A random-weight stack of `model_type` (one of `MIXED`) mixing sliding-window (`window` tokens) and
+    full-attention layers in its own pattern, in eval mode, its output head scaled by `sharpen`."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    options = {**MIXED[model_type], **overrides}
+    sizes = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, intermediate_size=hidden * 2,
+                 vocab_size=vocab_size, max_position_embeddings=max_len, pad_token_id=0, bos_token_id=1,
+                 eos_token_id=2, tie_word_embeddings=False, num_hidden_layers=len(options["layer_types"]),
+                 sliding_window=window)
+    config = CONFIG_MAPPING[model_type](**{**sizes, **options})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
+    return model.eval()
+
+
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")  # ids 0-3, matching tiny_config's pad / bos / eos ids
 CHAT_TEMPLATE = ("{% for message in messages %}[{{ message['role'] }}] {{ message['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}[assistant] {% endif %}")

@@ -12,14 +12,19 @@ import torch
 import hf_paged
 from hf_paged.engine.runner import ModelRunner
 from hf_paged.kv.state import StateSlots
-from hf_paged.model.state_layers import StateView
+import hf_paged.model.spec as model_spec
+import hf_paged.model.state_layers as state_layers
+from hf_paged.model.state_continuation import continuation_modes
+from hf_paged.model.state_layers import AS_IS, KEEP_STATES, TOKEN_BY_TOKEN, StateView, find_state_modules
 from hf_paged.tiny import HYBRIDS, tiny_hybrid
 
 from conftest import assert_same_as_hf, left_padded_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread, no spinning on a busy machine
 FAMILIES = sorted(HYBRIDS)
-PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2")
+PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2", "mamba", "falcon_mamba")
+# Mamba-1: their own scan drops the previous state for a multi-token input (state_continuation)
+MAMBA_1 = ("mamba", "falcon_mamba", "jamba")
 
 
 @pytest.fixture(autouse=True)
@@ -56,8 +61,20 @@ def models():
     def get(model_type):
         if model_type not in built:
             built[model_type] = tiny_hybrid(model_type)
+            if model_type in MAMBA_1:
+                strong_state(built[model_type])
         return built[model_type]
     return get
+
+
+def strong_state(model, scale=4.0):
+    """A tiny random Mamba-1 barely uses its recurrent state (its B and C are so small that dropping the state
+    between the pieces of a prompt moves logits by ~0.1): B and C `scale` times larger, so that it shows in the tokens
+    (falcon_mamba normalizes them: no change)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "x_proj") and hasattr(module, "time_step_rank"):
+                module.x_proj.weight[module.time_step_rank:] *= scale
 
 
 def prompts(lengths=(5, 11, 17, 9), seed=1):
@@ -193,7 +210,7 @@ def shared_prefix_batch(prefix_len=24, suffixes=(3, 5, 2, 6), seed=4):
     return [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in suffixes]
 
 
-@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "falcon_h1"))
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "falcon_h1", "mamba", "falcon_mamba"))
 def test_prefix_hits_restore_the_state(models, model_type):
     """Prompts sharing 24 tokens (6 blocks of 4): the state after every 2nd block and after each prompt's last full
     block is checkpointed; later prompts start from the checkpoint at the hit point. Same tokens as without prefix
@@ -308,3 +325,53 @@ def test_a_prompt_ending_in_a_one_token_chunk_writes_its_checkpoint(models):
     got = llm.generate([longer], GREEDY, use_tqdm=False)
     assert llm.stats()["prefix_cache_hit_tokens"] == 8
     assert [list(got[0].outputs[0].token_ids)] == want[0]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_state_module_continues_in_the_cheapest_exact_mode(models, model_type):
+    """Mamba-1 mixers continue a state only when asked to keep every token's state (their recurrent form); every
+    other family's module continues it as it is, at no cost."""
+    model = models(model_type)
+    modes = set(continuation_modes(model, find_state_modules(model)).values())
+    assert modes == ({KEEP_STATES} if model_type in MAMBA_1 else {AS_IS})
+
+
+@pytest.mark.parametrize("span", (state_layers.KEEP_SPAN, 3))
+@pytest.mark.parametrize("model_type", ("mamba", "falcon_mamba"))
+def test_mamba_1_chunked_prefill_gives_hfs_tokens(models, model_type, span, monkeypatch):
+    """A 40-token prompt computed in chunks of 8 (each chunk continues the state of the ones before), also with a
+    chunk's continuation run in calls of at most 3 tokens (`KEEP_SPAN`): HF's tokens."""
+    monkeypatch.setattr(state_layers, "KEEP_SPAN", span)
+    model = models(model_type)
+    prompt = prompts((40,), seed=3)[0]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, 40:].tolist()
+    got, _ = run(model, [prompt], GREEDY, max_num_batched_tokens=8)
+    assert got == [[want]]
+
+
+@pytest.mark.parametrize("model_type", ("mamba", "qwen3_5_text"))
+def test_token_by_token_continuations_are_exact(models, model_type, monkeypatch):
+    """The fallback mode (a continuation as one call per token, for a module exact in no cheaper mode) under
+    chunked prefill, preemption by recompute and prefix hits: the tokens of the modes chosen by the check."""
+    model = models(model_type)
+    batch = shared_prefix_batch(prefix_len=12)
+    options = dict(num_blocks=12, max_num_batched_tokens=6, long_prefill_token_threshold=4, max_num_seqs=3,
+                   preemption_mode="recompute", state_checkpoint_interval=1)
+    want, _ = run(model, batch, GREEDY, **options)
+    monkeypatch.setattr(model_spec, "continuation_modes", lambda model, state: dict.fromkeys(state, TOKEN_BY_TOKEN))
+    got, stats = run(model, batch, GREEDY, **options)
+    assert got == want
+    assert stats["num_recomputed_tokens"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("model_type", ("mamba", "falcon_mamba"))
+def test_a_state_layer_that_drops_its_state_between_pieces_is_refused(model_type, monkeypatch):
+    """Left to run its continuations as it is, a Mamba-1 model's paged forward equals its own forward fed the same
+    pieces on transformers' cache, both wrong: the start-up check compares with its forward on the whole prefix and
+    refuses it, saying why."""
+    monkeypatch.setattr(model_spec, "continuation_modes", lambda model, state: dict.fromkeys(state, AS_IS))
+    model = tiny_hybrid(model_type)
+    strong_state(model)
+    with pytest.raises(ValueError, match=rf"'{model_type}'.*drops its previous state for a multi-token input"):
+        hf_paged.LLM(model)

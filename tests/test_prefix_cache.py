@@ -43,7 +43,7 @@ def test_outputs_identical_across_settings(arch, sampled):
     for name, options in SETTINGS.items():
         got, llm = run(model, prompts, params, **{"block_size": 8, **options})
         assert got == expected, f"{arch} {'sampled' if sampled else 'greedy'}: outputs changed with {name}"
-        if "tiny" in name and arch == "mistral":  # its window gives blocks back: this pool never runs dry
+        if "tiny" in name and arch in ("mistral", "gemma2"):  # windows give blocks back: this pool never runs dry
             assert llm.stats()["num_blocks_released"] > 0  # preemption with released blocks: test_window_release.py
         elif "tiny" in name:
             assert llm.stats()["num_preemptions"] > 0, f"{name}: pool too large to force preemption"

@@ -10,7 +10,8 @@ What is captured
 
 Static buffers (`StaticDecodeBatch`)
     All the captured forward reads sits at fixed addresses: one int64 staging buffer on the device laid out
-    [input ids | positions | slots | context lengths | block tables (max_batch x max_blocks)], with every bucket's
+    [input ids | positions | context lengths | slots per KV group | block tables (max_batch x max_blocks) per KV
+    group], with every bucket's
     tensors as views at fixed offsets. Per step the host fills a pinned twin and ONE copy moves the used prefix; inside
     the graph the tables and context lengths are cast to the int32 the kernels read. Tables are `max_blocks` wide:
     max_model_len, at most MAX_GRAPH_CONTEXT tokens (vLLM's max_seq_len_to_capture idea: the pinned context bounds
@@ -131,8 +132,10 @@ class StaticDecodeBatch:
     input_ids: torch.Tensor  # [1, size]
     position_ids: torch.Tensor  # [1, size]
     context_lens: torch.Tensor  # [size] int64
-    tables: torch.Tensor  # [size, max_blocks] int64
-    metadata: AttentionMetadata
+    tables: torch.Tensor  # [size, max_blocks] int64 (the first KV group's)
+    metadata: AttentionMetadata  # the first KV group's
+    group_tables: list = field(default_factory=list)  # every KV group's tables and metadata, in group order
+    group_metadata: list = field(default_factory=list)
     logits: torch.Tensor | None = None  # float32 [size, vocab] of the last run: a graph's static output
 
 
@@ -164,19 +167,22 @@ class DecodeGraphRunner:
         self.buckets = batch_buckets(settings.max_batch)
         rows, width = self.buckets[-1], settings.max_blocks
         device = runner.device
-        # [ids | positions | slots | context lengths] x rows, then the tables: rows x width
-        self.host = torch.zeros(rows * (4 + width), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.num_groups = groups = max(len(runner.kv_cache.spec.kv_groups), 1)  # KV groups: a table and slots each
+        # [ids | positions | context lengths | slots of each group] x rows, then each group's tables: rows x width
+        self.host = torch.zeros(rows * (3 + groups + groups * width), dtype=torch.int64,
+                                pin_memory=device.type == "cuda")
         self.host_view = self.host.numpy()
-        self.host_view[4 * rows:] = settings.padding_block
+        self.host_view[self._tables_at(0):] = settings.padding_block
         self.staging = self.host.to(device, copy=True)
-        self._row_extent = [0] * rows
+        self._row_extent = [[0] * rows for _ in range(groups)]
         self._arange = torch.arange(rows + 1, dtype=torch.int64, device=device)
         self._ones = torch.ones(rows, dtype=torch.int64, device=device)
         self._valid = torch.ones(rows, dtype=torch.bool, device=device)
         self._query_start = torch.zeros(rows, dtype=torch.int64, device=device)
         self._cu32 = self._arange.to(torch.int32)
         self._context32 = torch.ones(rows, dtype=torch.int32, device=device)
-        self._tables32 = torch.full((rows * width,), settings.padding_block, dtype=torch.int32, device=device)
+        self._tables32 = [torch.full((rows * width,), settings.padding_block, dtype=torch.int32, device=device)
+                          for _ in range(groups)]
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.batches: dict[int, StaticDecodeBatch] = {}
         self.captured: dict = {}  # bucket -> torch.cuda.CUDAGraph
@@ -266,6 +272,15 @@ class DecodeGraphRunner:
                     return
 
     # ---- internals --------------------------------------------------------------------------------------------
+    def _slots_at(self, group: int) -> int:
+        """Offset of a group's slots in the staging buffer."""
+        return (3 + group) * self.buckets[-1]
+
+    def _tables_at(self, group: int) -> int:
+        """Offset of a group's block tables in the staging buffer."""
+        rows = self.buckets[-1]
+        return (3 + self.num_groups + group * self.settings.max_blocks) * rows
+
     def _stage(self, requests: list, size: int) -> list[int]:
         """Write the step into the pinned host buffer (padding rows after the requests) and start one copy of the
         used prefix to the device. Returns the index of each request that samples (its token is its last)."""
@@ -274,34 +289,38 @@ class DecodeGraphRunner:
         rows, width, bs = self.buckets[-1], self.settings.max_blocks, self.runner.block_size
         padding = self.settings.padding_block
         host = self.host_view
-        ids, positions, slots, contexts = (host[k * rows:(k + 1) * rows] for k in range(4))
-        tables = host[4 * rows:].reshape(rows, width)
-        extent = self._row_extent
+        ids, positions, contexts = (host[k * rows:(k + 1) * rows] for k in range(3))
         sampled = []
         for i, request in enumerate(requests):
             pos = request.num_computed_tokens
-            table = request.block_table
-            used = pos // bs + 1
             ids[i] = request.all_token_ids[pos]
             positions[i] = pos + request.position_shift if pos >= request.num_prompt_tokens else pos
-            slots[i] = slot_of(table, pos, bs)
             contexts[i] = pos + 1
-            tables[i, :used] = table[:used]
-            if extent[i] > used:
-                tables[i, used:extent[i]] = padding
-            extent[i] = used
             if pos + 1 == request.num_tokens:
                 sampled.append(i)
         n = len(requests)
         ids[n:size] = 0
         positions[n:size] = 0
-        slots[n:size] = padding * bs
         contexts[n:size] = 1
-        for i in range(n, size):
-            if extent[i]:
-                tables[i, :extent[i]] = padding
-                extent[i] = 0
-        end = 4 * rows + size * width
+        for group in range(self.num_groups):
+            slots = host[self._slots_at(group):self._slots_at(group) + rows]
+            tables = host[self._tables_at(group):self._tables_at(group) + rows * width].reshape(rows, width)
+            extent = self._row_extent[group]
+            for i, request in enumerate(requests):
+                pos = request.num_computed_tokens
+                table = request.block_tables[group]
+                used = pos // bs + 1
+                slots[i] = slot_of(table, pos, bs)
+                tables[i, :used] = table[:used]
+                if extent[i] > used:
+                    tables[i, used:extent[i]] = padding
+                extent[i] = used
+            slots[n:size] = padding * bs
+            for i in range(n, size):
+                if extent[i]:
+                    tables[i, :extent[i]] = padding
+                    extent[i] = 0
+        end = self._tables_at(self.num_groups - 1) + size * width
         self.staging[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
@@ -314,33 +333,39 @@ class DecodeGraphRunner:
             return batch
         rows, width, bs = self.buckets[-1], self.settings.max_blocks, self.runner.block_size
         staging = self.staging
-        context_lens = staging[3 * rows:3 * rows + size]
-        tables = staging[4 * rows:4 * rows + size * width].view(size, width)
+        context_lens = staging[2 * rows:2 * rows + size]
         arange = self._arange[:size]
-        plan = SequenceGroupPlan(  # the torch backend's view of the step: one decode group, every row a sequence
-            query_index=arange.view(size, 1), valid=self._valid[:size], rows=arange, block_tables=tables,
-            flat_tables=tables.view(-1), query_start=self._query_start[:size].view(size, 1),
-            query_lens=self._ones[:size].view(size, 1), context_lens=context_lens.view(size, 1), max_query_len=1,
-            kv_len=width * bs)
-        metadata = AttentionMetadata(
-            cu_seqlens_q=self._cu32[:size + 1], context_lens=self._context32[:size],
-            block_tables=self._tables32[:size * width].view(size, width),
-            slot_mapping=staging[2 * rows:2 * rows + size],
-            max_query_len=1, max_context_len=width * bs, block_size=bs, groups=[plan], num_decode_groups=1)
+        group_tables, group_metadata = [], []
+        for group in range(self.num_groups):
+            tables = staging[self._tables_at(group):self._tables_at(group) + size * width].view(size, width)
+            plan = SequenceGroupPlan(  # the torch backend's view of the step: one decode group, every row a sequence
+                query_index=arange.view(size, 1), valid=self._valid[:size], rows=arange, block_tables=tables,
+                flat_tables=tables.view(-1), query_start=self._query_start[:size].view(size, 1),
+                query_lens=self._ones[:size].view(size, 1), context_lens=context_lens.view(size, 1),
+                max_query_len=1, kv_len=width * bs)
+            group_tables.append(tables)
+            group_metadata.append(AttentionMetadata(
+                cu_seqlens_q=self._cu32[:size + 1], context_lens=self._context32[:size],
+                block_tables=self._tables32[group][:size * width].view(size, width),
+                slot_mapping=staging[self._slots_at(group):self._slots_at(group) + size],
+                max_query_len=1, max_context_len=width * bs, block_size=bs, groups=[plan], num_decode_groups=1))
         batch = StaticDecodeBatch(size, staging[:size].view(1, size), staging[rows:rows + size].view(1, size),
-                                  context_lens, tables, metadata)
+                                  context_lens, group_tables[0], group_metadata[0],
+                                  group_tables=group_tables, group_metadata=group_metadata)
         self.batches[size] = batch
         return batch
 
     def _forward(self, batch: StaticDecodeBatch) -> None:
         """What a graph holds: refresh the derived metadata from the staging views, run the model on every row."""
         metadata = batch.metadata
+        for tables, group in zip(batch.group_tables, batch.group_metadata):
+            group.block_tables.copy_(tables)
+            group.groups[0].allowed.clear()  # masks are cached per step; a static plan rebuilds them from the tensors
+        metadata.context_lens.copy_(batch.context_lens)  # shared by every group's metadata
         plan = metadata.groups[0]
-        metadata.block_tables.copy_(batch.tables)
-        metadata.context_lens.copy_(batch.context_lens)
-        torch.sub(plan.context_lens, 1, out=plan.query_start)
-        plan.allowed.clear()  # masks are cached per step; in a static plan they must be rebuilt from the tensors
-        batch.logits = self.runner.forward(batch.input_ids, batch.position_ids, metadata, None)
+        torch.sub(plan.context_lens, 1, out=plan.query_start)  # shared too
+        batch.logits = self.runner.forward(batch.input_ids, batch.position_ids, metadata, None,
+                                           group_metadata=batch.group_metadata if self.num_groups > 1 else None)
 
     def _capture(self, batch: StaticDecodeBatch):
         """Warm up and capture the bucket's graph (the staged step is not yet computed: the caller replays). None,

@@ -7,9 +7,11 @@ from typing import Any, Sequence
 
 import torch
 
+from ..attention import choose_backends
 from ..attention.dispatch import unavailable
 from ..config import EngineConfig
 from ..kv import KVCacheManager
+from ..kv.groups import plan_groups
 from ..kv.state import StateCheckpoints, StateSlots
 from ..model import check_paged_matches_model, describe_model
 from ..model.fingerprint import weights_fingerprint
@@ -71,27 +73,34 @@ class Engine:
             self.spec.kv.dtype = torch.float8_e4m3fn
         check_model_len(self.config, self.spec.max_model_len)
         self.max_model_len = self.config.max_model_len or self.spec.max_model_len
+        backends = choose_backends(self.config.attention_backend, device)  # decides each kind of attention call once
+        # refuse a model we would serve wrong; layers grouped by the window they attend through (blocks behind a
+        # sliding group's window go back to the pool)
+        windows = check_paged_matches_model(model, self.spec, backends)
+        self.spec.kv.groups = plan_groups({layer: windows.get(layer) for layer in self.spec.kv.stored_layers})
         self.memory = KVMemory(self.spec.kv, self.config)
         # state layers: one slot per running request (no prefix hits there: see KVCacheManager)
         states = StateSlots(device, self.config.max_num_seqs) if self.spec.has_state else None
         checkpoints = _state_checkpoints(self.config, device) if self.spec.has_state else None
         kv = KVCacheManager(self.memory.num_blocks, self.config.block_size, self.config.enable_prefix_caching, states,
-                            checkpoints)
+                            checkpoints, self.spec.kv.groups)
+        kv.max_chunk = self.config.max_num_batched_tokens  # no step computes more of one sequence
+        if self.config.long_prefill_token_threshold and self.config.enable_chunked_prefill:
+            kv.max_chunk = min(kv.max_chunk, self.config.long_prefill_token_threshold)
         costs = PreemptionCosts(copy_bytes_per_s=self.memory.copy_bytes_per_s) if self.memory.swap else None
         detokenize = self.detokenize if tokenizer is not None else None
         self.scheduler = Scheduler(self.config, kv, self.memory.swap, costs, self.max_model_len, detokenize)
         graphs = None if states is not None else DecodeGraphSettings.for_engine(
             self.config, device, self.memory.num_blocks, self.max_model_len)
         self.runner = ModelRunner(model, self.spec, self.memory.cache, self.config.attention_backend, graphs, states,
-                                  None if kv.checkpoints is None else kv.checkpoints.store)
-        # refuse a model we would serve wrong; one window on every layer: blocks behind it go back to the pool
-        self.scheduler.release_window = check_paged_matches_model(model, self.spec, self.runner.backends)
+                                  None if kv.checkpoints is None else kv.checkpoints.store, backends)
         if self.memory.cache.quantized:  # fixed before any request stores K/V; graphs bake them in, so capture after
             self.memory.cache.set_scales(fp8_kv_scales(model, self.spec, self.config.kv_scales, self.max_model_len))
             if self.runner.graphs is not None and self.runner.graphs.settings.capture_at_start:
                 self.runner.graphs.capture_all()
         self.sampler = Sampler(device, self.config.seed)
-        self.limits = Limits(self.spec.vocab_size, self.max_model_len, self.memory.num_blocks, self.config)
+        self.limits = Limits(self.spec.vocab_size, self.max_model_len, self.memory.num_blocks, self.config,
+                             kv.blocks_for)
         eos = _as_id_list(getattr(model.generation_config, "eos_token_id", None)) + _as_id_list(
             getattr(tokenizer, "eos_token_id", None))
         # an EOS id the model can never produce can never stop a request (nor be banned under min_tokens)

@@ -6,7 +6,7 @@ Every refusal is a ValueError naming the request by its index ("request 2: ...")
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ class Limits:
     max_model_len: int | None
     num_blocks: int
     config: EngineConfig
-
+    blocks_for: Callable[[int], int] | None = None  # blocks a sequence of n tokens holds at once (KV manager's)
 
 # ---- the shape of a whole call --------------------------------------------------------------------------------
 def _is_scalar(value: Any) -> bool:
@@ -166,10 +166,11 @@ def check_request(limits: Limits, index: int, token_ids: list[int], params: Samp
         raise ValueError(f"request {index}: prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                          f"{total} exceeds the model's maximum length {limits.max_model_len}")
     config = limits.config
-    if blocks_needed(total, config.block_size) > limits.num_blocks:
-        raise ValueError(f"request {index}: prompt + max_tokens = {total} tokens can never fit the KV pool "
-                         f"({limits.num_blocks} blocks = {limits.num_blocks * config.block_size} tokens); raise "
-                         f"num_blocks or kv_cache_memory")
+    need = limits.blocks_for(total) if limits.blocks_for is not None else blocks_needed(total, config.block_size)
+    if need > limits.num_blocks:
+        raise ValueError(f"request {index}: prompt + max_tokens = {total} tokens can never fit the KV pool (they hold "
+                         f"{need} blocks of {config.block_size} tokens at once, the pool has {limits.num_blocks}); "
+                         f"raise num_blocks or kv_cache_memory")
     if not config.enable_chunked_prefill and total > config.max_num_batched_tokens:
         raise ValueError(f"request {index}: {total} tokens exceed max_num_batched_tokens "
                          f"({config.max_num_batched_tokens}) with chunked prefill disabled")

@@ -7,7 +7,7 @@ import torch
 
 import time
 
-from ..attention import AttentionMetadata, choose_backends
+from ..attention import AttentionBackends, AttentionMetadata, choose_backends
 from ..kv import NULL_BLOCK, KVCache
 from ..kv.state import StateSlots
 from ..kv.slots import slots_of
@@ -25,7 +25,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     token_type_ids: torch.Tensor | None  # [1, T] when the requests carry token types
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata  # the first KV group's (every group's but for the tables and slots)
+    group_metadata: list[AttentionMetadata] | None  # one per KV group when there are several
     states: StateStep | None  # where each sequence's state-layer state is (models with state layers)
     sample_rows: torch.Tensor  # packed row of each sampled request's last token
     sampled: list[int]  # index into the batch of each request that samples this step
@@ -40,14 +41,15 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, spec: ModelSpec, kv_cache: KVCache, backend: str = "torch",
                  graphs: DecodeGraphSettings | None = None, states: StateSlots | None = None,
-                 checkpoints: StateSlots | None = None):
+                 checkpoints: StateSlots | None = None, backends: AttentionBackends | None = None):
         self.model = model
         self.states, self.checkpoints = states, checkpoints  # state slots, and where state checkpoints go
         self.spec = spec
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = spec.kv.device
-        self.backends = choose_backends(backend, self.device)  # decides each kind of attention call once
+        # decides each kind of attention call once
+        self.backends = backends if backends is not None else choose_backends(backend, self.device)
         self.block_size = kv_cache.block_size
         self.linears = SmallBatchLinears(model)  # decode-sized steps on CPU: weight-streaming matmuls
         # decode-only steps padded to a bucket and replayed as CUDA graphs (None: every step eager; see cuda_graphs.py)
@@ -69,10 +71,12 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.accepts(batch):
             return self.graphs.prepare(batch)
         bs = self.block_size
+        num_groups = max(len(self.spec.kv.kv_groups), 1)
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        query_lens, context_lens, tables, sample_rows, sampled = [], [], [], [], []
+        slots: list[list[int]] = [[] for _ in range(num_groups)]  # per KV group
+        tables: list[list[list[int]]] = [[] for _ in range(num_groups)]
+        query_lens, context_lens, sample_rows, sampled = [], [], [], []
         sequences = []  # (first row, rows, state slot, fresh, store): the state layers' view of the packing
         types: list[int] | None = [] if batch.requests[0].token_types is not None else None
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
@@ -84,11 +88,12 @@ class ModelRunner:
             if types is not None:
                 types.extend(request.types(start, end))
             positions.extend(request.positions(start, end))
-            table = request.block_table
-            slots.extend(slots_of(table, start, end, bs))
+            own = request.block_tables or [[]] * num_groups
+            for group, table in enumerate(own):
+                slots[group].extend(slots_of(table, start, end, bs))
+                tables[group].append(table)
             query_lens.append(n)
             context_lens.append(end)
-            tables.append(table)
             if end == request.num_tokens:
                 if request.needs_first_query:  # one more sequence: a query over the whole prompt, storing nothing
                     token, position = request.first_query
@@ -97,19 +102,22 @@ class ModelRunner:
                     if types is not None:
                         types.append(request.token_types[1])
                     positions.append(position)
-                    slots.append(NULL_BLOCK * bs)
+                    for group, table in enumerate(own):
+                        slots[group].append(NULL_BLOCK * bs)
+                        tables[group].append(table)
                     query_lens.append(1)
                     context_lens.append(end)
-                    tables.append(table)
                 sample_rows.append(len(input_ids) - 1)
                 sampled.append(i)
         device = self.device
-        metadata = AttentionMetadata.build(query_lens, context_lens, tables, slots, bs, device)
+        metadata = [AttentionMetadata.build(query_lens, context_lens, tables[g], slots[g], bs, device)
+                    for g in range(num_groups)]
         return StepInputs(
             input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=device),
             token_type_ids=None if types is None else torch.tensor([types], dtype=torch.long, device=device),
-            metadata=metadata,
+            metadata=metadata[0],
+            group_metadata=metadata if num_groups > 1 else None,
             states=None if self.states is None else StateStep.build(self.states, sequences, device, self.checkpoints),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
             sampled=sampled,
@@ -122,14 +130,16 @@ class ModelRunner:
         if isinstance(inputs, PaddedDecode):
             return self.graphs.run(inputs)
         return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows,
-                            inputs.token_type_ids, inputs.states)
+                            inputs.token_type_ids, inputs.states, inputs.group_metadata)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
                 sample_rows: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
-                states: StateStep | None = None) -> torch.Tensor:
+                states: StateStep | None = None,
+                group_metadata: list[AttentionMetadata] | None = None) -> torch.Tensor:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
         decode graphs (captured or not) both run exactly this."""
-        context = PagedForwardContext(metadata, self.kv_cache, self.backends, states=states)
+        context = PagedForwardContext(metadata, self.kv_cache, self.backends, states=states,
+                                      group_metadata=group_metadata)
         kwargs = {}
         if sample_rows is not None and self.spec.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = sample_rows

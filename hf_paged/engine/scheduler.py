@@ -47,10 +47,18 @@ class Scheduler:
         self.counters = dict.fromkeys(COUNTERS, 0)
         # called with each request that finished normally, just before its blocks are freed (its K/V still there)
         self.release_hooks: list[Callable[[Request], None]] = []
-        # the sliding window every layer of the model applies (None: not one for all): a running request's blocks
-        # wholly behind it go back to the pool before each step
-        self.release_window: int | None = None
         self.undo = StepUndo(self)  # a step is all or nothing: `undo.begin / commit / rollback` around it
+
+    @property
+    def release_window(self) -> int | None:
+        """The sliding window whose blocks behind it go back to the pool before each step, when every KV group has
+        the same one (None: some group keeps every block). Setting it sets every group's (None: keep every block)."""
+        windows = set(self.kv.windows)
+        return windows.pop() if len(windows) == 1 else None
+
+    @release_window.setter
+    def release_window(self, window: int | None) -> None:
+        self.kv.windows = [window] * self.kv.num_groups
 
     @property
     def has_work(self) -> bool:
@@ -73,7 +81,7 @@ class Scheduler:
         if not self.kv.context_changed(context):
             return
         for request in self._all_requests():
-            if request.block_table or request.swapped_blocks or request.num_computed_tokens:
+            if request.block_tables or request.swapped_blocks or request.num_computed_tokens:
                 request.stale_kv = True
             else:
                 request.block_hashes = []
@@ -108,9 +116,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             self.undo.touch(request)
-            if self.release_window:  # its next query (at num_computed_tokens) sees no slot behind this one
-                self.counters["num_blocks_released"] += self.kv.release_behind(
-                    request, request.num_computed_tokens - self.release_window + 1)
+            # its next query (at num_computed_tokens) sees no slot behind a sliding group's window
+            self.counters["num_blocks_released"] += self.kv.release_behind(request, request.num_computed_tokens)
             num_new = self._chunk(request, budget)
             if num_new > budget:
                 continue
@@ -211,18 +218,27 @@ class Scheduler:
         self.undo.touch(request)
         self.running.remove(request)
         returned = plan.remove(request)
+        if allow_swap:  # nothing behind a window is saved: give it back first (as its own schedule would have)
+            self.counters["num_blocks_released"] += self.kv.release_behind(request, request.num_computed_tokens)
         computed = blocks_needed(request.num_computed_tokens, self.kv.block_size)
-        released = released_prefix(request.block_table)  # a window's given-back blocks: nothing to save
-        if allow_swap and self._should_swap(request, computed - released):
-            host = self.swap.allocate(computed - released)
+        tables = request.block_tables
+        released = [released_prefix(table[:computed]) for table in tables]  # a window's given-back blocks: not saved
+        saved = computed * len(tables) - sum(released)
+        if allow_swap and self._should_swap(request, saved):
+            host = self.swap.allocate(saved)
+            device = [b for table, gone in zip(tables, released) for b in table[gone:computed]]
             # swap-outs run before the copy-on-write copies: a block just copied-on-write is saved from its source
-            plan.swap_out.append((self.kv.current_contents(request.block_table[released:computed]), host))
-            request.swapped_blocks = [RELEASED] * released + host
+            plan.swap_out.append((self.kv.current_contents(device), host))
+            swapped, at = [], 0  # each group's `computed` entries in turn
+            for gone in released:
+                swapped += [RELEASED] * gone + host[at:at + computed - gone]
+                at += computed - gone
+            request.swapped_blocks = swapped
             if request.state_slot >= 0:  # its state layers' state goes to host memory now, before any forward
                 request.swapped_state = self.kv.states.save(request.state_slot)
             request.status = RequestStatus.SWAPPED
             self.counters["num_swap_outs"] += 1
-            self.counters["num_blocks_swapped"] += computed - released
+            self.counters["num_blocks_swapped"] += saved
         else:
             self.counters["num_recomputed_tokens"] += request.num_computed_tokens
             request.num_computed_tokens = 0
@@ -235,15 +251,24 @@ class Scheduler:
         plan.preempted.append(request)
         return returned
 
-    def _swap_in(self, request: Request, plan: StepPlan) -> bool:
-        """Give a swapped request device blocks for everything it holds plus its growth (not for the blocks its window
-        gave back), and queue the copy."""
+    def _swap_in(self, request: Request, plan: StepPlan, num_new: int) -> bool:
+        """Give a swapped request device blocks for everything it holds plus its growth (not for the blocks its windows
+        gave back), and queue the copy. `swapped_blocks` holds each KV group's entries in turn, as many per group."""
         host = [h for h in request.swapped_blocks if h != RELEASED]
-        released = len(request.swapped_blocks) - len(host)
-        if blocks_needed(request.num_tokens, self.kv.block_size) - released > self.kv.num_free_blocks:
+        per_group, handed = len(request.swapped_blocks) // self.kv.num_groups, None
+        kept = [sum(h != RELEASED for h in request.swapped_blocks[g * per_group:(g + 1) * per_group])
+                for g in range(self.kv.num_groups)]
+        # room for what comes back plus its first `num_new` tokens, and for the most it holds at once later
+        first = len(host) + self.kv.num_groups * max(
+            blocks_needed(request.num_computed_tokens + num_new, self.kv.block_size) - per_group, 0)
+        need = sum(max(self.kv.group_bound(g, request.num_tokens), kept[g]) for g in range(self.kv.num_groups))
+        if max(first, need) > self.kv.num_free_blocks:
             return False
         device = self.kv.allocate_blocks(len(host))
-        request.block_table = [NULL_BLOCK] * released + device
+        handed = iter(device)
+        request.block_tables = [
+            [NULL_BLOCK if h == RELEASED else next(handed) for h in request.swapped_blocks[g:g + per_group]]
+            for g in range(0, len(request.swapped_blocks), per_group)] if per_group else []
         if request.swapped_state is not None:
             self.kv.take_state_slot(request)
             self.kv.states.load(request.state_slot, request.swapped_state)
@@ -267,10 +292,11 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and self._chunk(request, budget) > budget:
                 break  # unchunked work that does not fit this step's budget waits for the next one
             if request.status is RequestStatus.SWAPPED:
-                if not self._swap_in(request, plan):
-                    break
                 num_new = self._chunk(request, budget)
-                self.kv.allocate_slots(request, num_new)  # fits: _swap_in checked the whole request
+                if not self._swap_in(request, plan, num_new):
+                    break
+                if not self.kv.allocate_slots(request, num_new):  # _swap_in checked room for this chunk
+                    raise RuntimeError(f"{request}: no room for its first chunk after swap-in")
             else:
                 hits = self.kv.computed_blocks(request)
                 if not self.kv.can_admit(request, hits):

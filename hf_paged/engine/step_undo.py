@@ -93,7 +93,7 @@ class StepUndo:
         for request in list(s.running):
             if request.state_slot >= 0 and request.num_computed_tokens:  # its state may hold this step's tokens
                 s.recompute(request)
-            elif any(block in written for block in request.block_table):
+            elif any(block in written for table in request.block_tables for block in table):
                 s.recompute(request)
             else:  # the forward pass may have written past its computed tokens: that block is cleared when reused
                 s.kv.distrust_tail(request)

@@ -33,16 +33,18 @@ class KVSnapshots:
         """Release hook: copy the request's computed K/V out of its blocks (its block table is still valid)."""
         count, size = request.num_computed_tokens, self.cache.block_size
         positions = torch.arange(count)
-        table = torch.tensor(request.block_table, dtype=torch.long)
-        slots = slot_tensor(table, positions, size).to(self.cache.storage.device)
+        device = self.cache.storage.device
+        slots = [slot_tensor(torch.tensor(table, dtype=torch.long), positions, size).to(device)
+                 for table in request.block_tables]  # per KV group
         layers = []
         for index, (keys, values) in enumerate(zip(self.cache.key_caches, self.cache.value_caches)):
             if keys is None:  # a state layer: no K/V
                 layers.append(None)
                 continue
+            group = self.cache.layer_group[index]
             k_scale, v_scale = self.cache.kv_scales[index] or (1.0, 1.0)
-            k = keys.reshape(-1, *keys.shape[2:])[slots]
-            v = values.reshape(-1, *values.shape[2:])[slots]
+            k = keys.reshape(-1, *keys.shape[2:])[slots[group]]
+            v = values.reshape(-1, *values.shape[2:])[slots[group]]
             if self.cache.quantized:
                 k, v = k.float() * k_scale, v.float() * v_scale
             layers.append((k.clone(), v.clone()))

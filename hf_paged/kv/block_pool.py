@@ -219,12 +219,18 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_count += 1
 
-    def lookup(self, block_hash: bytes, token_ids: list[int], parent: Block | None) -> Block | None:
+    def lookup(self, block_hash: bytes, token_ids: list[int], parent: Block | None,
+               any_parent: bool = False) -> Block | None:
         """The block holding exactly these tokens right after `parent` (the previous hit), if any. The hash
         is only a hint: a hit must match token for token and follow this very parent incarnation, so even a
-        colliding hash can never serve K/V computed after a different prefix."""
+        colliding hash can never serve K/V computed after a different prefix. `any_parent`: the caller holds no
+        parent (a sliding window's first block), and takes the keyed chain hash's word for the prefix."""
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids) or block.parent is not parent:
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        if any_parent:
+            return block
+        if block.parent is not parent:
             return None
         if parent is not None and block.parent_generation != parent.generation:
             return None

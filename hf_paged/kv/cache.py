@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .groups import KVGroup, group_size
+
 logger = logging.getLogger("hf_paged")
 
 
@@ -21,32 +23,59 @@ class KVCacheSpec:
     device: torch.device
     # the layers that keep K/V (None: every layer); the others (state layers of a hybrid stack) get no pages
     attention_layers: tuple[int, ...] | None = None
+    # how the attention layers share block tables (kv/groups.py); None: one group of them all, full attention
+    groups: tuple[KVGroup, ...] | None = None
 
     @property
     def stored_layers(self) -> tuple[int, ...]:
         return tuple(range(self.num_layers)) if self.attention_layers is None else self.attention_layers
 
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        if self.groups is not None:
+            return self.groups
+        return (KVGroup(self.stored_layers),) if self.stored_layers else ()
+
+    @property
+    def num_tensors(self) -> int:
+        """Layer tensors of the storage: every stored layer's own with one group, a group's worth with several."""
+        return group_size(self.kv_groups)
+
+    def positions(self) -> dict[int, tuple[int, int]]:
+        """layer -> (its group, its tensor in the storage)."""
+        return {layer: (g, i) for g, group in enumerate(self.kv_groups) for i, layer in enumerate(group.layers)}
+
     def bytes_per_block(self, block_size: int) -> int:
+        """Bytes of one block id (K and V of `num_tensors` layers)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.stored_layers) * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_tensors * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def blocks_for_layer_blocks(self, num_blocks: int) -> int:
+        """Block ids holding the memory of `num_blocks` blocks of every stored layer (what `num_blocks` has always
+        meant to users: with several groups an id holds fewer layers, so there are more ids in that memory)."""
+        if self.num_tensors in (0, len(self.stored_layers)):
+            return num_blocks
+        return num_blocks * len(self.stored_layers) // self.num_tensors
 
 
 class KVCache:
     """One allocation, viewed as `key_caches[layer]` / `value_caches[layer]` (NHD page layout, the
-    one FlashAttention and FlashInfer read; None for a layer that keeps no K/V). Allocated with torch.empty: pages
+    one FlashAttention and FlashInfer read; None for a layer that keeps no K/V). With several KV groups, layers of
+    different groups share a tensor (a block id belongs to one group at a time: see kv/groups.py). Allocated with torch.empty: pages
     the engine never hands out are never touched, so they cost no resident memory on CPU."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, block_size: int):
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        stored = spec.stored_layers
-        shape = (len(stored), 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_tensors, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         self.storage = torch.empty(shape, dtype=spec.dtype, device=spec.device)
         self.key_caches: list[torch.Tensor | None] = [None] * spec.num_layers
         self.value_caches: list[torch.Tensor | None] = [None] * spec.num_layers
-        for i, layer in enumerate(stored):
+        self.layer_group: list[int] = [-1] * spec.num_layers  # layer -> its KV group (-1: keeps no K/V)
+        for layer, (group, i) in spec.positions().items():
             self.key_caches[layer], self.value_caches[layer] = self.storage[i, 0], self.storage[i, 1]
+            self.layer_group[layer] = group
         # fp8 caches: per-layer (k_scale, v_scale), fixed once by `set_scales` before the first K/V is stored (the
         # engine calibrates them at start, model/kv_calibration.py); unquantized caches: always (1.0, 1.0)
         self.quantized = self.storage.element_size() == 1
@@ -97,9 +126,9 @@ NO_KV_BLOCKS = 4096  # the pool of a model without attention layers (its blocks 
 
 
 def choose_num_blocks(spec: KVCacheSpec, block_size: int, num_blocks: int | None, byte_budget: int) -> int:
-    """`num_blocks` when given, else as many blocks as fit in `byte_budget`."""
+    """Block ids: the memory of `num_blocks` blocks of every layer when given, else as many as fit in `byte_budget`."""
     if num_blocks is not None:
-        return num_blocks
+        return spec.blocks_for_layer_blocks(num_blocks)
     if not spec.stored_layers:  # state layers only: blocks are bookkeeping (token counts), they hold no memory
         return NO_KV_BLOCKS
     count = byte_budget // spec.bytes_per_block(block_size)

@@ -4,15 +4,19 @@ from __future__ import annotations
 from typing import Protocol
 
 from .block_pool import NULL_BLOCK, Block, BlockPool
+from .groups import KVGroup
 from .hashing import hash_block
+from .prefix_hits import find_hits, group_key
 from .state import StateCheckpoints, StateSlots
+from .tables import blocks_needed, held, released_prefix
 
 
 class Sequence(Protocol):
-    """What the manager reads and keeps per sequence (a `Request` is one). The manager owns `block_table`,
-    `block_hashes` and `num_published_blocks`; it only reads the token ids and `num_computed_tokens`."""
+    """What the manager reads and keeps per sequence (a `Request` is one). The manager owns `block_tables` (one per
+    KV group, or none while the sequence holds no memory), `block_hashes` and `num_published_blocks`; it only reads
+    the token ids and `num_computed_tokens`."""
 
-    block_table: list[int]
+    block_tables: list[list[int]]
     block_hashes: list[bytes]
     num_published_blocks: int
     stale_kv: bool  # holds K/V computed before the context changed: never published (see `set_context`)
@@ -30,21 +34,19 @@ class Sequence(Protocol):
     def cache_salt(self) -> str | None: ...
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 class KVCacheManager:
-    """Grows and releases each request's `block_table` (logical block i -> physical block id).
+    """Grows and releases each request's block tables, one per KV group (logical block i -> physical block id), all
+    drawing from one block pool: the coordinator of the groups.
 
-    Invariants: a request's table covers `num_computed_tokens + scheduled new tokens` slots after a
-    successful `allocate_slots`, and is empty after `free`. Only full blocks whose tokens are all computed
-    are ever hashed, so a shared block is never written again. The manager never changes a sequence's
-    `num_computed_tokens` (the scheduler does); it tells the scheduler how many tokens a prefix hit covers.
-    Blocks whose memory must be cleared before use (never used yet, or last held by a request whose K/V went
-    non-finite) are reported once by `take_blocks_to_clear` when handed out. On a model whose every layer attends
-    through one sliding window, `release_behind` gives back the blocks behind it: their table entries become the null
-    block (never counted, never freed), always a leading run of the table.
+    Invariants: a request's tables each cover `num_computed_tokens + scheduled new tokens` slots after a successful
+    `allocate_slots`, and it holds none after `free`. Only full blocks whose tokens are all computed are ever hashed,
+    so a shared block is never written again; a group's blocks are found under that group's keys only. The manager
+    never changes a sequence's `num_computed_tokens` (the scheduler does); it tells the scheduler how many tokens a
+    prefix hit covers (the same for every group). Blocks whose memory must be cleared before use (never used yet, or
+    last held by a request whose K/V went non-finite) are reported once by `take_blocks_to_clear` when handed out.
+    A group whose layers attend through a sliding window (`windows[g]`, switched off with None) gives back the blocks
+    behind it (`release_behind`): their table entries become the null block (never counted, never freed), always a
+    leading run of that group's table. A prefix hit serves a sliding group with only the blocks its window sees.
 
     On a model with state layers (`states`), every sequence that holds blocks also holds one state slot: taken when
     it is admitted or forked (a fork's slot gets a copy of its parent's state), given back by `free`. A prefix hit
@@ -53,9 +55,13 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 states: StateSlots | None = None, checkpoints: StateCheckpoints | None = None):
+                 states: StateSlots | None = None, checkpoints: StateCheckpoints | None = None,
+                 groups: tuple[KVGroup, ...] | None = None):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.groups = tuple(groups) if groups else (KVGroup(()),)
+        self.windows: list[int | None] = [group.window for group in self.groups]  # release behind (None: keep all)
+        self.max_chunk: int | None = None  # the most tokens a step computes for one sequence (None: not bounded)
         self.states = states
         self.checkpoints = checkpoints if states is not None and enable_prefix_caching else None
         self.enable_prefix_caching = enable_prefix_caching and (states is None or self.checkpoints is not None)
@@ -73,6 +79,30 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def tables(self, request: Sequence) -> list[list[int]]:
+        """The request's tables, one per group (made empty for one that holds nothing)."""
+        if not request.block_tables:
+            request.block_tables = [[] for _ in self.groups]
+        return request.block_tables
+
+    def group_bound(self, group: int, num_tokens: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens holds at once in `group`: every one, or in a group that
+        gives blocks back behind its window (with `max_chunk`, the most tokens one step computes for a sequence,
+        set), the window's, one step's chunk, one partly covered and the last published one kept."""
+        count = blocks_needed(num_tokens, self.block_size)
+        window = self.windows[group]
+        if window is None or self.max_chunk is None:
+            return count
+        return min(count, blocks_needed(window - 1 + self.max_chunk, self.block_size) + 2)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """The most block ids a sequence of `num_tokens` tokens holds at once, over all groups."""
+        return sum(self.group_bound(g, num_tokens) for g in range(len(self.groups)))
 
     # ---- all or nothing ------------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -140,23 +170,14 @@ class KVCacheManager:
             keys.append(hash_block(keys[-1] if keys else self._root, tokens[i * bs:(i + 1) * bs], request.cache_salt))
         return keys[:count]
 
-    def computed_blocks(self, request: Sequence) -> list[Block]:
-        """Cached blocks matching the request's leading full blocks. The last token is always left to compute
-        so that there are logits to sample from."""
+    def computed_blocks(self, request: Sequence) -> list[tuple[Block | None, ...]]:
+        """Cached blocks serving the request's leading full blocks (see `prefix_hits.find_hits`). The last token is
+        always left to compute so that there are logits to sample from."""
         if not self.enable_prefix_caching:
             return []
-        bs, tokens = self.block_size, request.all_token_ids
-        hits: list[Block] = []
-        for i, key in enumerate(self._hashes(request, (request.num_tokens - 1) // bs)):
-            block = self.pool.lookup(key, tokens[i * bs:(i + 1) * bs], hits[-1] if hits else None)
-            if block is None:
-                break
-            hits.append(block)
-        if self.states is not None:  # a hit must end where the state was checkpointed
-            keys = request.block_hashes
-            while hits and self.checkpoints.find(keys[len(hits) - 1]) is None:
-                hits.pop()
-        return hits
+        keys = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        return find_hits(self.pool, self.groups, self.block_size, keys, request.all_token_ids,
+                         None if self.states is None else self.checkpoints)
 
     def common_prefix_blocks(self, request: Sequence, other: Sequence) -> int:
         """How many leading full prompt blocks two requests share (same salt, same tokens)."""
@@ -170,16 +191,21 @@ class KVCacheManager:
             shared += 1
         return shared
 
-    def can_admit(self, request: Sequence, hits: list[Block]) -> bool:
-        """Whether blocks for the whole of `request` fit, counting hits that would leave the free queue."""
-        revived = sum(1 for block in hits if block.ref_count == 0)
-        need = blocks_needed(request.num_tokens, self.block_size) - len(hits)
+    def can_admit(self, request: Sequence, hits: list[tuple[Block | None, ...]]) -> bool:
+        """Whether blocks for the whole of `request` fit (in a releasing group, the most it holds at once: see
+        `group_bound`), counting hits that would leave the free queue."""
+        revived = sum(1 for row in hits for block in row if block is not None and block.ref_count == 0)
+        need = 0
+        for g in range(len(self.groups)):
+            taken = sum(1 for row in hits if row[g] is not None)
+            need += max(self.group_bound(g, request.num_tokens) - taken, 0)
         return need <= self.pool.num_free_blocks - revived
 
-    def admit(self, request: Sequence, hits: list[Block]) -> int:
-        """Start the request's table with its prefix hits. Returns how many tokens they hold (computed already)."""
-        self.pool.touch(hits)
-        request.block_table = [block.block_id for block in hits]
+    def admit(self, request: Sequence, hits: list[tuple[Block | None, ...]]) -> int:
+        """Start the request's tables with its prefix hits. Returns how many tokens they hold (computed already)."""
+        self.pool.touch([block for row in hits for block in row if block is not None])
+        request.block_tables = [[NULL_BLOCK if row[g] is None else row[g].block_id for row in hits]
+                                for g in range(len(self.groups))]
         self.take_state_slot(request)
         if hits and self.states is not None:  # the state at the hit point, from its checkpoint
             source = self.checkpoints.find(request.block_hashes[len(hits) - 1])
@@ -215,7 +241,7 @@ class KVCacheManager:
             self.hit_tokens += num_hit_tokens
 
     def cache_full_blocks(self, request: Sequence) -> None:
-        """Publish the request's newly completed blocks to the prefix map."""
+        """Publish the request's newly completed blocks to the prefix map, in every group."""
         if not self.enable_prefix_caching or request.stale_kv:
             return
         full = request.num_computed_tokens // self.block_size
@@ -223,34 +249,37 @@ class KVCacheManager:
             return
         bs, tokens = self.block_size, request.all_token_ids
         keys = self._hashes(request, full)
-        table, blocks = request.block_table, self.pool.blocks
-        for i in range(request.num_published_blocks, full):
-            parent = blocks[table[i - 1]] if i > 0 else None
-            if table[i] == NULL_BLOCK or (parent is not None and parent.block_hash is None):
-                # released (a swapped-in request's window), or its parent is not findable (released, or its key
-                # already served by another block): no lookup could reach it, so it must not take the key
-                continue
-            self.pool.cache(table[i], keys[i], tokens[i * bs:(i + 1) * bs], parent)
+        blocks = self.pool.blocks
+        for g, table in enumerate(self.tables(request)):
+            for i in range(request.num_published_blocks, full):
+                parent = blocks[table[i - 1]] if i > 0 else None
+                if table[i] == NULL_BLOCK or (parent is not None and parent.block_hash is None):
+                    # released (a swapped-in request's window), or its parent is not findable (released, or its key
+                    # already served by another block): no lookup could reach it, so it must not take the key
+                    continue
+                self.pool.cache(table[i], group_key(g, keys[i]), tokens[i * bs:(i + 1) * bs], parent)
         request.num_published_blocks = full
 
     # ---- growth and release ------------------------------------------------------------------------
     def num_new_blocks(self, request: Sequence, num_new_tokens: int) -> int:
         total = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, total - len(request.block_table)) + (1 if self._shared_write_block(request) is not None else 0)
+        tables = request.block_tables or [[] for _ in self.groups]
+        return sum(max(0, total - len(table)) + (self._shared_write_block(request, table) is not None)
+                   for table in tables)
 
-    def _shared_write_block(self, request: Sequence) -> int | None:
-        """Index in the table of the block the next token goes to, if other requests share it."""
+    def _shared_write_block(self, request: Sequence, table: list[int]) -> int | None:
+        """Index in `table` of the block the next token goes to, if other requests share it."""
         index = request.num_computed_tokens // self.block_size
-        table = request.block_table
         if index < len(table) and self.pool.blocks[table[index]].ref_count > 1:
             return index
         return None
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give `child` the parent's table (one more reference on every block); the caller gives it the parent's
+        """Give `child` the parent's tables (one more reference on every block); the caller gives it the parent's
         computed length."""
-        self.pool.touch([self.pool.blocks[i] for i in held(parent.block_table)])
-        child.block_table = list(parent.block_table)
+        tables = self.tables(parent)
+        self.pool.touch([self.pool.blocks[i] for table in tables for i in held(table)])
+        child.block_tables = [list(table) for table in tables]
         child.block_hashes = list(parent.block_hashes)
         child.num_published_blocks = parent.num_published_blocks
         child.stale_kv = parent.stale_kv
@@ -271,22 +300,22 @@ class KVCacheManager:
         return [sources.get(b, b) for b in block_ids]
 
     def allocate_slots(self, request: Sequence, num_new_tokens: int) -> bool:
-        """Extend the table to hold `num_new_tokens` more tokens; a block the request shares and is about to write
+        """Extend every table to hold `num_new_tokens` more tokens; a block the request shares and is about to write
         is first replaced by a private copy. Returns False (and changes nothing) when the pool cannot cover it."""
-        need = self.num_new_blocks(request, num_new_tokens)
-        if need > self.pool.num_free_blocks:
+        if self.num_new_blocks(request, num_new_tokens) > self.pool.num_free_blocks:
             return False
-        shared = self._shared_write_block(request)
-        if shared is not None:
-            (copy,) = self.pool.allocate(1)
-            self._copies.append((request.block_table[shared], copy))
-            self.pool.free([request.block_table[shared]])
-            request.block_table[shared] = copy
-            need -= 1
-        if need:
-            ids = self.pool.allocate(need)
-            request.block_table.extend(ids)
-            self._fresh.extend(b for b in ids if not self._clean[b])
+        total = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
+        for table in self.tables(request):
+            shared = self._shared_write_block(request, table)
+            if shared is not None:
+                (copy,) = self.pool.allocate(1)
+                self._copies.append((table[shared], copy))
+                self.pool.free([table[shared]])
+                table[shared] = copy
+            if total > len(table):
+                ids = self.pool.allocate(total - len(table))
+                table.extend(ids)
+                self._fresh.extend(b for b in ids if not self._clean[b])
         return True
 
     def allocate_blocks(self, count: int) -> list[int]:
@@ -308,58 +337,54 @@ class KVCacheManager:
         """The request's K/V may be non-finite (its forward pass went wrong): take its blocks out of the prefix
         map, so no later request hits them, and clear each again before it is next handed out. Blocks it shares
         with running requests keep serving them untouched (they are cleared only once handed out anew)."""
-        for block_id in held(request.block_table):
-            self.pool.uncache(block_id)
-            self._clean[block_id] = 0
-        for key in request.block_hashes[:released_prefix(request.block_table)]:  # released blocks stay in the prefix map: find them by key
-            block = self.pool.cached.get(key)
-            if block is not None:
-                self.pool.uncache(block.block_id)
+        for g, table in enumerate(request.block_tables):
+            for block_id in held(table):
+                self.pool.uncache(block_id)
+                self._clean[block_id] = 0
+            for key in request.block_hashes[:released_prefix(table)]:  # released blocks stay in the prefix map
+                block = self.pool.cached.get(group_key(g, key))
+                if block is not None:
+                    self.pool.uncache(block.block_id)
 
     def distrust_tail(self, request: Sequence) -> None:
         """A failed forward pass may have written past the request's computed tokens: the block holding its next slot
         is cleared before it is next handed out (the request itself overwrites those slots before reading them)."""
         index = request.num_computed_tokens // self.block_size
-        if index < len(request.block_table) and request.block_table[index] != NULL_BLOCK:
-            self._clean[request.block_table[index]] = 0
+        for table in request.block_tables:
+            if index < len(table) and table[index] != NULL_BLOCK:
+                self._clean[table[index]] = 0
 
     def free(self, request: Sequence) -> None:
-        self.pool.free(held(request.block_table))
-        request.block_table = []
+        for table in request.block_tables:
+            self.pool.free(held(table))
+        request.block_tables = []
         request.num_published_blocks = 0
         if getattr(request, "state_slot", -1) >= 0:
             self.states.free(request.state_slot)
             request.state_slot = -1
 
-    def release_behind(self, request: Sequence, first_needed: int) -> int:
-        """Give back the blocks that hold only slots before `first_needed` (a sliding window's next queries never read
-        them); their entries become the null block. Only published blocks go (they stay in the prefix map, free to
+    def release_behind(self, request: Sequence, position: int) -> int:
+        """In each group with a window, give back the blocks holding only slots its queries from `position` on never
+        read; their entries become the null block. Only published blocks go (they stay in the prefix map, free to
         serve a later hit until evicted), so the prefix chain of the ones still to publish is intact. They count as
         not clean: a forward pass may have written non-finite K/V into them that no sampled row has revealed yet (a
         prompt's chunks), so each is cleared before it is handed out again. Returns how many blocks went back."""
-        count = max(first_needed, 0) // self.block_size
-        if self.enable_prefix_caching and not request.stale_kv:  # the last published block stays: the next one to
-            count = min(count, request.num_published_blocks - 1)  # publish chains to it (a stale one publishes none)
-        if count <= 0:
-            return 0
-        table = request.block_table
-        gone = [block for block in table[:count] if block != NULL_BLOCK]
-        if gone:
-            self.pool.free(gone)
-            table[:count] = [NULL_BLOCK] * min(count, len(table))
-            for block in gone:
-                self._clean[block] = 0
-        return len(gone)
+        released = 0
+        for g, table in enumerate(request.block_tables):
+            window = self.windows[g]
+            if window is None:
+                continue
+            count = max(position - window + 1, 0) // self.block_size
+            if self.enable_prefix_caching and not request.stale_kv:  # the last published block stays: the next one
+                count = min(count, request.num_published_blocks - 1)  # to publish chains to it (a stale one: none)
+            if count <= 0:
+                continue
+            gone = [block for block in table[:count] if block != NULL_BLOCK]
+            if gone:
+                self.pool.free(gone)
+                table[:count] = [NULL_BLOCK] * min(count, len(table))
+                for block in gone:
+                    self._clean[block] = 0
+            released += len(gone)
+        return released
 
-
-def held(table: list[int]) -> list[int]:
-    """A table's entries that hold a block (not the null block of a released slot)."""
-    return [block for block in table if block != NULL_BLOCK]
-
-
-def released_prefix(table: list[int]) -> int:
-    """How many leading entries of a block table a sliding window gave back (the null block)."""
-    count = 0
-    while count < len(table) and table[count] == NULL_BLOCK:
-        count += 1
-    return count

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_pool import NULL_BLOCK, BlockPool
-from .manager import blocks_needed, held
+from .tables import blocks_needed, held
 from .slots import slot_tensor
 
 

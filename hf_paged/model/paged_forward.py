@@ -28,6 +28,14 @@ class PagedForwardContext:
     num_calls: int = 0  # attention calls that reached the paged function in this forward (one per layer)
     windows: list | None = None  # the start-up check's list: gets the sliding_window each call passed (None: none)
     states: object = None  # the step's `state_layers.StateStep` on a model with state layers
+    # with several KV groups, each group's metadata (its own tables and slots; `metadata` is the first group's)
+    group_metadata: list | None = None
+
+    def metadata_of(self, layer: int) -> AttentionMetadata:
+        """The metadata layer `layer` reads and writes its pages with."""
+        if self.group_metadata is None:
+            return self.metadata
+        return self.group_metadata[self.kv_cache.layer_group[layer]]
 
 
 # keywords an attention module may pass that change nothing here (the engine's own, or flags it already honours)
@@ -84,9 +92,9 @@ def attend_paged(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     new K/V go into their slots, then attention over each sequence's pages. Counts the call (the start-up check
     compares the count with the number of layers)."""
     context.num_calls += 1
-    if context.windows is not None:
-        context.windows.append(sliding_window)
     layer = module.layer_idx if layer is None else layer
+    if context.windows is not None:
+        context.windows.append((layer, sliding_window))
     cache = context.kv_cache
     spec = cache.spec
     if key.shape[1] != spec.num_kv_heads or key.shape[3] != spec.head_dim or value.shape[1:4:2] != key.shape[1:4:2]:
@@ -94,7 +102,7 @@ def attend_paged(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
                                    f"{key.shape[1]} / {value.shape[1]} heads of size {key.shape[3]} / "
                                    f"{value.shape[3]}, but its KV cache holds {spec.num_kv_heads} heads of size "
                                    f"{spec.head_dim} for both")
-    meta = context.metadata
+    meta = context.metadata_of(layer)
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     scales = cache.scales_for(layer, k, v)
     store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping, *scales)

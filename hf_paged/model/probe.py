@@ -5,13 +5,18 @@ serving makes them (`STEPS`: a prefill, a chunk of several tokens after cached c
 step), and through the model's own forward with its own attention implementation; the last logits of each sequence
 at each step must agree to within float rounding; otherwise the model is refused with a ValueError that says so.
 Position handling that is right only for a prefill from position 0 or for a single-token decode is caught here
-(a position-embedding module that counts from the step or from a cache length). This catches what
+(a position-embedding module that counts from the step or from a cache length), and so is a state layer that is
+right only for a prefill and for single tokens: state models too are compared with the model's own forward on each
+whole prefix, not with its own forward fed the same pieces on transformers' cache, which can be wrong in the same way
+(transformers' Mamba-1 scan drops the previous state for a multi-token input; see `state_continuation`). This
+catches what
 no list of features can (a module that does something to attention the paged function cannot see), and the
 guard in `paged_forward.check_supported` turns any argument the paged function would ignore into an error here,
 at start, instead of in the middle of serving. The verdict is kept on the model per (backend, dtype).
 
-It also reports the one sliding window every layer's attention applied in the last forward, if there is one: then
-no query ever reads a slot more than a window behind it, and the engine may give those blocks back.
+It also reports the sliding window each attention layer applied in the last forward (None: none, or not one clear
+window): no query of such a layer ever reads a slot more than a window behind it, so the engine groups layers by
+window (kv/groups.py) and may give a group's blocks behind its window back.
 
 `counts_padding` answers a question about the model alone, for the generate take-over: whether its own forward on
 a left-padded prompt (with the attention mask, and the position ids HF's generate passes) differs from the prompt
@@ -46,11 +51,11 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # relative to the larges
 
 def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences: list[list[int]]) -> tuple:
     """Run every sequence through the packed steps of `STEPS`: the last logits of each sequence at each step, and the
-    sliding window every attention call of the last step passed (None if they differ or pass none)."""
+    sliding window each layer's attention call passed in the last step (layer -> window; None: none, or several)."""
     device = spec.kv.device
     blocks_per_sequence = -(-max(map(len, sequences)) // BLOCK_SIZE)
     dtype = next(model.parameters()).dtype  # the model's own dtype, also when the engine's cache is fp8
-    cache = KVCache(dataclasses.replace(spec.kv, dtype=dtype), 1 + blocks_per_sequence * len(sequences), BLOCK_SIZE)
+    cache = KVCache(dataclasses.replace(spec.kv, dtype=dtype, groups=None), 1 + blocks_per_sequence * len(sequences), BLOCK_SIZE)
     cache.storage.zero_()
     tables = [[1 + i * blocks_per_sequence + b for b in range(blocks_per_sequence)] for i in range(len(sequences))]
     states = StateSlots(device, len(sequences)) if spec.has_state else None
@@ -72,10 +77,17 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
         _check_calls(model, spec, context.num_calls)
         rows = torch.tensor(query_lens, device=device).cumsum(0) - 1
         results.append(out.logits[0, rows].float())
-    windows = set(context.windows)  # of the last forward (every layer ran once)
+    seen: dict[int, set] = {}
+    for layer, window in context.windows:  # of the last forward (every layer ran once)
+        seen.setdefault(layer, set()).add(window)
+    return results, {layer: _one_window(windows) for layer, windows in seen.items()}
+
+
+def _one_window(windows: set) -> int | None:
+    """The window of a layer whose calls passed `windows`: one positive int, else None (keep every block)."""
     window = windows.pop() if len(windows) == 1 else None
     valid = isinstance(window, int) and not isinstance(window, bool) and window > 0
-    return results, window if valid else None
+    return window if valid else None
 
 
 def _states(slots: StateSlots | None, query_lens: list[int], step: int) -> StateStep | None:
@@ -112,8 +124,8 @@ def _own_logits(model, ids: list[int], device) -> torch.Tensor:
 
 
 def _own_stepped_logits(model, ids: list[int], cuts: tuple, device) -> list[torch.Tensor]:
-    """The model's own last logits after each cut, run step by step on transformers' own cache as HF's generate runs
-    it (a state layer's result depends on how its input was split: a prefill, chunks after a state, single tokens)."""
+    """The model's own last logits after each cut, run step by step on transformers' own cache (a refusal says when
+    the paged logits are these: the model's own state layers go wrong on such pieces the same way)."""
     from transformers.cache_utils import DynamicCache
 
     cache, results, first = DynamicCache(config=model.config), [], 0
@@ -162,6 +174,12 @@ def counts_padding(model) -> bool:
     return answer
 
 
+def _worst(paged: list, own: list) -> float:
+    """The largest `_relative_difference` of the paged logits of each step ([sequences, vocab]) from `own` (per step,
+    one logits vector per sequence)."""
+    return max(_relative_difference(got, torch.stack(want)) for got, want in zip(paged, own))
+
+
 def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| relative to the largest finite |want|. Entries non-finite in both count as equal (a
     model whose weights already give NaN for some token is no reason to refuse it); NaN in one only is a mismatch."""
@@ -188,9 +206,9 @@ def _window_fields(config) -> tuple:
 
 
 @torch.inference_mode()
-def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> int | None:
+def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> dict[int, int | None]:
     """Raise ValueError when the paged forward does not reproduce the model's own logits (see the module doc).
-    Returns the sliding window every layer applies, or None."""
+    Returns the sliding window each attention layer applies (layer -> window, None: full attention)."""
     dtype = next(model.parameters()).dtype
     # the verdict depends on the mode too: dropout in training mode makes no two forwards agree
     key = (backends.name, str(dtype), str(spec.kv.device), _window_fields(model.config), model.training)
@@ -199,14 +217,14 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
     if key in verdicts:
         if verdicts[key] is not None:
             raise ValueError(verdicts[key])
-        return windows.get(key)
+        return dict(windows.get(key, {}))
     model_type = getattr(model.config, "model_type", type(model).__name__)
     generator = torch.Generator().manual_seed(0)
     vocab = min(spec.vocab_size, 1000)
     sequences = [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in LENGTHS]
     with forward_lock(model):
         try:
-            paged, window = _paged_logits(model, spec, backends, sequences)
+            paged, layer_windows = _paged_logits(model, spec, backends, sequences)
         except UnsupportedAttention as e:
             verdicts[key] = str(e)
             raise ValueError(str(e)) from None
@@ -214,21 +232,23 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             # as the model's verdict: the failure may be passing (the next engine checks again)
             raise ValueError(f"model type {model_type!r}: its forward fails on hf_paged's paged path "
                              f"({type(e).__name__}: {e})") from e
-        if spec.has_state:  # the model's own forward steps through the same cuts on transformers' own cache
-            stepped = [_own_stepped_logits(model, seq, cuts, spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
-            own = [[logits[step] for logits in stepped] for step in range(len(STEPS[0]))]
-        else:
-            own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
-                   for step in range(len(STEPS[0]))]
-    worst = 0.0
-    for got, want in zip(paged, own):
-        worst = max(worst, _relative_difference(got, torch.stack(want)))
+        # each whole prefix at once, for state models too (the pieces of a state layer must give what it gives)
+        own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
+               for step in range(len(STEPS[0]))]
     tolerance = TOLERANCE.get(dtype, 3e-2)
+    worst = _worst(paged, own)
     verdicts[key] = None
     if not worst <= tolerance:  # also catches NaN
+        hint = _own_positions(model)
+        if spec.has_state:
+            with forward_lock(model):
+                stepped = [_own_stepped_logits(model, seq, cuts, spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
+            if _worst(paged, [[logits[step] for logits in stepped] for step in range(len(STEPS[0]))]) <= tolerance:
+                hint += (" (its own forward fed the same pieces on transformers' cache gives the same logits: a state "
+                         "layer that drops its previous state for a multi-token input)")
         verdicts[key] = (f"model type {model_type!r}: hf_paged's paged attention does not reproduce the model's own "
                          f"attention (largest logit difference {worst:.2e} of the largest logit, tolerance "
-                         f"{tolerance:.0e}){_own_positions(model)}; it is refused rather than served wrong")
+                         f"{tolerance:.0e}){hint}; it is refused rather than served wrong")
         raise ValueError(verdicts[key])
-    windows[key] = window
-    return window
+    windows[key] = layer_windows
+    return dict(layer_windows)

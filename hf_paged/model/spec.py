@@ -10,6 +10,7 @@ from ..kv import KVCacheSpec
 from .forward_lock import forward_lock
 from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
                             self_attending_modules)
+from .state_continuation import continuation_modes
 from .state_layers import UnsupportedState, cache_keyword, find_state_modules, state_forward
 from .switches import require_enabled
 
@@ -75,7 +76,9 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
         head_dim = getattr(text, "head_dim", None) or hidden // num_heads
     if state:
         keyword = {layer: cache_keyword(model.get_submodule(name).forward) for layer, name in state.items()}
-        configs = configs + [ModulePatches(model, [(model.get_submodule(name), state_forward(layer, keyword[layer]))
+        modes = continuation_modes(model, state)  # how each module must run a continuation of several tokens
+        configs = configs + [ModulePatches(model, [(model.get_submodule(name),
+                                                    state_forward(layer, keyword[layer], modes[layer]))
                                                    for layer, name in state.items()], [])]
     forward_params = inspect.signature(model.forward).parameters
     return ModelSpec(

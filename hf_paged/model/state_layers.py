@@ -9,6 +9,11 @@ forward once per group of sequences instead: every single-token sequence that ha
 calls from the sequences' slots in `kv.StateSlots` and writes what the module stored back into them. The module's own
 code computes everything, so the result is what it computes for each sequence alone.
 
+A continuation (a piece after a state: a chunk of a prompt, the rest after a prefix hit, a recompute) must give
+what the whole input at once gives. Some modules' own code continues a state only one token at a time (transformers'
+Mamba-1 scan starts a multi-token input from a zero state): such a module runs its continuations in the mode
+`state_continuation.continuation_modes` chose for it (`AS_IS`, `KEEP_STATES`, `TOKEN_BY_TOKEN`).
+
 `find_state_modules` says which module holds each state layer, from one forward with transformers' own cache.
 """
 from __future__ import annotations
@@ -21,9 +26,16 @@ import torch
 
 from ..kv.state import StateSlots
 from .forward_lock import forward_lock
+from .state_rows import by_row, join, left_padding_mask, rows_of
 
 STATE_CALLS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
                "has_previous_state")
+
+# How a state module runs a continuation of more than one token (one mode per module, see the module doc):
+AS_IS = "as_is"  # in one call: its own forward continues the state it is given
+KEEP_STATES = "keep_states"  # asked to keep every token's recurrent state (its recurrent form), KEEP_SPAN at a time
+TOKEN_BY_TOKEN = "token_by_token"  # one call per token (the single-token path every decode takes)
+KEEP_SPAN = 128  # tokens per call in KEEP_STATES mode: the module holds a copy of its state per token of a call
 
 
 class UnsupportedState(ValueError):
@@ -117,11 +129,14 @@ def _similar_lengths(starts: list) -> list[list]:
 
 class StateView:
     """transformers' linear-attention cache calls for one layer and the sequences of one `StateRun`, answered from
-    their slots. What the module stores is kept here and written to the slots by `write_back`. Anything else a
-    module asks of it raises `UnsupportedState` (a module that needs more is refused by the start-up check)."""
+    their slots. What the module stores is kept here (a later call on the same view continues from it) and written to
+    the slots by `write_back`. Anything else a module asks of it raises `UnsupportedState` (a module that needs more
+    is refused by the start-up check)."""
 
-    def __init__(self, slots: StateSlots, layer: int, run: StateRun, model_type: str):
+    def __init__(self, slots: StateSlots, layer: int, run: StateRun, model_type: str, continuation: str = AS_IS):
         self.slots, self.layer, self.run, self.model_type = slots, layer, run, model_type
+        self.continuation = continuation
+        self.keep = 0  # the answer of `get_recurrent_states_to_keep` (`run_module` sets it per call)
         self.values: dict[tuple[str, int], torch.Tensor] = {}
         self.started: set[int] = set()  # state indices whose conv state this call stored (a fresh run has one then)
 
@@ -184,7 +199,9 @@ class StateView:
         return False
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
-        return 0
+        """0 (only the last state is kept), or in `KEEP_STATES` mode in a continuation's call every token's: a module
+        asked for them runs its recurrent form, from the previous state (only the last one is stored)."""
+        return self.keep
 
     def increase_count(self, layer_idx: int | None = None, state_idx: int = 0) -> None:
         """transformers counts tokens here; the engine knows each sequence's length."""
@@ -203,12 +220,13 @@ class StateView:
                     checkpoints.write((self.layer, kind, index), marks[kept], value.index_select(0, kept))
 
 
-def state_forward(layer: int, cache_keyword: str):
-    """A `ModulePatches` adapter factory: the module's forward on a packed step, one call per `StateRun`. Arguments
-    besides the hidden states and the cache must be None (the engine's forward builds no masks); the output (a tensor
-    or a tuple of tensors, rows along dimension 1) is put back together in packed order."""
+def state_forward(layer: int, cache_keyword: str, continuation: str = AS_IS):
+    """A `ModulePatches` adapter factory: the module's forward on a packed step, one call per `StateRun` (a
+    continuation as `continuation` says). Arguments besides the hidden states and the cache must be None (the engine's
+    forward builds no masks); the output (a tensor or a tuple of tensors, rows along dimension 1) is put back together
+    in packed order."""
     def factory(module, owner):
-        own = vars(module).get("forward") or type(module).forward.__get__(module)
+        own = own_forward(module)
         signature = inspect.signature(own)
         takes_mask = "attention_mask" in signature.parameters
         model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
@@ -217,39 +235,66 @@ def state_forward(layer: int, cache_keyword: str):
             step = getattr(owner.require_context(module), "states", None)
             if step is None:
                 raise UnsupportedState(f"model type {model_type!r}: a state layer ran without state slots")
-            bound = signature.bind(*args, **kwargs).arguments
-            first = next(iter(signature.parameters))
-            hidden_states = bound.pop(first)
-            bound.pop(cache_keyword, None)
-            extra = {**bound.pop("kwargs", {}), **bound}
-            num_rows = hidden_states.shape[1]
-            per_row = {k: v for k, v in extra.items() if k not in IGNORED and _by_row(v, num_rows)}
-            odd = sorted(k for k, v in extra.items()
-                         if v is not None and v is not False and k not in IGNORED and k not in per_row)
-            if odd or hidden_states.shape[0] != 1:
-                raise UnsupportedState(f"model type {model_type!r}: its state module (layer {layer}) got "
-                                       f"{odd or 'a batch'}, which hf_paged's packed steps do not pass on")
+            hidden_states, per_row = split_arguments(signature, cache_keyword, args, kwargs, f"model type "
+                                                     f"{model_type!r}: its state module (layer {layer})")
             outputs = []
             for run in _runs(step.runs, takes_mask):
-                view = StateView(step.slots, layer, run, model_type)
-                rows = {k: _rows(v, run.rows) for k, v in per_row.items()}
-                if isinstance(run.rows, list):
-                    rows["attention_mask"] = _left_padding_mask(run.rows, hidden_states.device)
-                out = own(_rows(hidden_states, run.rows), **rows, **{cache_keyword: view})
-                view.write_back(step.checkpoints)
-                outputs.append((run.rows, out))
-            return _packed(outputs, hidden_states.shape[1], model_type)
+                view = StateView(step.slots, layer, run, model_type, continuation)
+                outputs += run_module(own, cache_keyword, hidden_states, per_row, view, step.checkpoints)
+            return packed(outputs, hidden_states.shape[1], model_type)
 
         return forward
     return factory
 
 
+def own_forward(module):
+    """The module's own forward (an instance forward it carries, else its class's)."""
+    return vars(module).get("forward") or type(module).forward.__get__(module)
+
+
 # keywords a state module may get that change nothing here (the engine's own, passed down every module; flags)
-def _by_row(value, num_rows: int) -> bool:
-    """Whether `value` holds one entry per packed row ([1, T, ...] tensors, or a tuple of them: rotary cos / sin)."""
-    if isinstance(value, tuple):
-        return bool(value) and all(_by_row(v, num_rows) for v in value)
-    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == num_rows
+IGNORED = frozenset({"attention_mask", "position_ids", "cache_position", "use_cache", "output_attentions",
+                     "paged_context", "hf_paged_kv_shapes"})
+
+
+def split_arguments(signature: inspect.Signature, cache_keyword: str, args: tuple, kwargs: dict, who: str) -> tuple:
+    """(hidden states [1, T, ...], {keyword: value with one entry per packed row}) of a state module's call; the cache
+    and the `IGNORED` keywords are dropped. Raises UnsupportedState for any other argument that is set, or a batch."""
+    bound = signature.bind(*args, **kwargs).arguments
+    hidden_states = bound.pop(next(iter(signature.parameters)))
+    bound.pop(cache_keyword, None)
+    extra = {**bound.pop("kwargs", {}), **bound}
+    num_rows = hidden_states.shape[1]
+    per_row = {k: v for k, v in extra.items() if k not in IGNORED and by_row(v, num_rows)}
+    odd = sorted(k for k, v in extra.items() if v is not None and v is not False and k not in IGNORED
+                 and k not in per_row)
+    if odd or hidden_states.shape[0] != 1:
+        raise UnsupportedState(f"{who} got {odd or 'a batch'}, which hf_paged's packed steps do not pass on")
+    return hidden_states, per_row
+
+
+def run_module(own, cache_keyword: str, hidden_states: torch.Tensor, per_row: dict, view: StateView,
+               checkpoints: StateSlots | None = None) -> list[tuple]:
+    """The module's own forward (`own`) on the rows of `view.run` of the packed `hidden_states` and `per_row` values,
+    with `view` as its cache; what it stored is then written back. [(rows, output)] in row order: one call, or for a
+    continuation (a run that is not fresh) in `KEEP_STATES` mode calls of at most KEEP_SPAN tokens that ask for every
+    token's state, in `TOKEN_BY_TOKEN` mode one call per token; the calls share the view, so each continues the state
+    the one before stored."""
+    run = view.run
+    parts = [run.rows]
+    span = {KEEP_STATES: KEEP_SPAN, TOKEN_BY_TOKEN: 1}.get(view.continuation)
+    if span is not None and not run.fresh and isinstance(run.rows, slice):
+        parts = [slice(i, min(i + span, run.rows.stop)) for i in range(run.rows.start, run.rows.stop, span)]
+    outputs = []
+    for rows in parts:
+        if view.continuation == KEEP_STATES and not run.fresh:
+            view.keep = rows.stop - rows.start if isinstance(rows, slice) else 1
+        inputs = {k: rows_of(v, rows) for k, v in per_row.items()}
+        if isinstance(rows, list):
+            inputs["attention_mask"] = left_padding_mask(rows, hidden_states.device)
+        outputs.append((rows, own(rows_of(hidden_states, rows), **inputs, **{cache_keyword: view})))
+    view.write_back(checkpoints)
+    return outputs
 
 
 def _runs(runs: list[StateRun], takes_mask: bool):
@@ -260,57 +305,15 @@ def _runs(runs: list[StateRun], takes_mask: bool):
             yield run
 
 
-def _rows(value, rows):
-    """The run's rows of a packed [1, T, ...] value: [1, L, ...] for one sequence, [B, 1, ...] for single tokens,
-    [B, L, ...] left-padded with zeros for sequences that start here."""
-    if isinstance(value, tuple):
-        return tuple(_rows(v, rows) for v in value)
-    if isinstance(rows, list):
-        width = max(r.stop - r.start for r in rows)
-        padded = value.new_zeros((len(rows), width, *value.shape[2:]))
-        for i, r in enumerate(rows):
-            padded[i, width - (r.stop - r.start):] = value[0, r]
-        return padded
-    taken = value[0, rows]
-    return taken[None] if isinstance(rows, slice) else taken[:, None]
-
-
-def _left_padding_mask(rows: list, device: torch.device) -> torch.Tensor | None:
-    """HF's 2D mask of a left-padded batch (None when no row is padded, as HF passes it)."""
-    lengths = [r.stop - r.start for r in rows]
-    width = max(lengths)
-    if min(lengths) == width:
-        return None
-    return (torch.arange(width, device=device)[None] >= torch.tensor([width - n for n in lengths],
-                                                                      device=device)[:, None]).long()
-
-
-IGNORED = frozenset({"attention_mask", "position_ids", "cache_position", "use_cache", "output_attentions",
-                     "paged_context", "hf_paged_kv_shapes"})
-
-
-def _packed(outputs: list, num_rows: int, model_type: str):
+def packed(outputs: list, num_rows: int, model_type: str):
     """The runs' outputs (each a tensor or a tuple of tensors / None, rows along dimension 1) as one packed output."""
     first = outputs[0][1]
     if isinstance(first, torch.Tensor):
-        return _join([(rows, out) for rows, out in outputs], num_rows)
+        return join([(rows, out) for rows, out in outputs], num_rows)
     if isinstance(first, tuple):
-        return tuple(None if first[i] is None else _join([(rows, out[i]) for rows, out in outputs], num_rows)
+        return tuple(None if first[i] is None else join([(rows, out[i]) for rows, out in outputs], num_rows)
                      for i in range(len(first)))
     raise UnsupportedState(f"model type {model_type!r}: its state module returns {type(first).__name__}")
-
-
-def _join(pieces: list, num_rows: int) -> torch.Tensor:
-    parts = []
-    for rows, out in pieces:
-        if isinstance(rows, list):  # left-padded: each sequence's rows are the last ones of its line
-            parts += [(r, out[i, out.shape[1] - (r.stop - r.start):]) for i, r in enumerate(rows)]
-        else:
-            parts.append((rows, out[0] if isinstance(rows, slice) else out[:, 0]))
-    output = parts[0][1].new_empty((num_rows, *parts[0][1].shape[1:]))
-    for rows, part in parts:
-        output[rows] = part
-    return output[None]
 
 
 def cache_keyword(function) -> str:

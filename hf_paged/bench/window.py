@@ -161,7 +161,8 @@ def plot(path: Path, results: list[dict], args) -> None:
         ax1.plot(t, [s[1] for s in r["series"]], color=f"C{i}", label=label, linewidth=1)
         ax2.plot(t, [s[2] for s in r["series"]], color=f"C{i}", label=label, linewidth=1)
     ax1.set(xlabel="seconds", ylabel="running requests", title="requests running per step")
-    ax2.set(xlabel="seconds", ylabel="KV blocks in use", title=f"blocks in use (pool: {args.num_blocks})")
+    pool = results[0].get("pool_blocks", args.num_blocks)
+    ax2.set(xlabel="seconds", ylabel="KV block ids in use", title=f"block ids in use (pool: {pool})")
     for ax in (ax1, ax2):
         ax.legend()
     fig.suptitle(f"{args.arch}, sliding window {args.window}: {args.requests} requests x {args.max_tokens} new tokens")

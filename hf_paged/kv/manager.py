@@ -8,7 +8,7 @@ from .groups import KVGroup
 from .hashing import hash_block
 from .prefix_hits import find_hits, group_key
 from .state import StateCheckpoints, StateSlots
-from .tables import blocks_needed, held, released_prefix
+from .tables import blocks_needed, copy_on_write, held, release_leading, released_prefix
 
 
 class Sequence(Protocol):
@@ -308,10 +308,7 @@ class KVCacheManager:
         for table in self.tables(request):
             shared = self._shared_write_block(request, table)
             if shared is not None:
-                (copy,) = self.pool.allocate(1)
-                self._copies.append((table[shared], copy))
-                self.pool.free([table[shared]])
-                table[shared] = copy
+                self._copies.append(copy_on_write(self.pool, table, shared))
             if total > len(table):
                 ids = self.pool.allocate(total - len(table))
                 table.extend(ids)
@@ -379,12 +376,9 @@ class KVCacheManager:
                 count = min(count, request.num_published_blocks - 1)  # to publish chains to it (a stale one: none)
             if count <= 0:
                 continue
-            gone = [block for block in table[:count] if block != NULL_BLOCK]
-            if gone:
-                self.pool.free(gone)
-                table[:count] = [NULL_BLOCK] * min(count, len(table))
-                for block in gone:
-                    self._clean[block] = 0
+            gone = release_leading(self.pool, table, count)
+            for block in gone:
+                self._clean[block] = 0
             released += len(gone)
         return released
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_pool import NULL_BLOCK, BlockPool
-from .tables import blocks_needed, held
+from .tables import blocks_needed, copy_on_write, held, release_leading
 from .slots import slot_tensor
 
 
@@ -102,9 +102,7 @@ class PagedStore:
         if count <= self.num_released_blocks:
             return
         for table in self.tables:
-            stop = min(count, len(table))
-            self.pool.free(held(table[self.num_released_blocks:stop]))
-            table[self.num_released_blocks:stop] = [NULL_BLOCK] * (stop - self.num_released_blocks)
+            release_leading(self.pool, table, count)
         self.num_released_blocks = count
         self._tables_changed()
 
@@ -238,11 +236,10 @@ class PagedStore:
                 if block_id == NULL_BLOCK:
                     raise RuntimeError(f"slot {start} is in a block given back to the pool (released before "
                                        f"{self.num_released_tokens})")
-                if self.pool.blocks[block_id].ref_count > 1:
-                    (copy,) = self._allocate(1)
+                copied = copy_on_write(self.pool, table, index, self._allocate)
+                if copied is not None:
+                    source, copy = copied
                     for pages in self.layers.values():
-                        pages.keys[copy] = pages.keys[block_id]
-                        pages.values[copy] = pages.values[block_id]
-                    self.pool.free([block_id])
-                    table[index] = copy
+                        pages.keys[copy] = pages.keys[source]
+                        pages.values[copy] = pages.values[source]
                     self._tables_changed()

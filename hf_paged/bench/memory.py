@@ -36,7 +36,7 @@ layer's growth is not counted (it exists for one layer at a time).
 hf_paged (measured): one process runs hf_paged.LLM(model, kv_cache_memory=budget bytes, block_size=16,
 max_num_seqs=4096 so only memory limits concurrency, chunked prefill with the default 4096-token step budget),
 adds all requests, and after every llm.step() records num_running, num_waiting and
-    slot utilisation = sum(r.num_computed_tokens for r in running) / (sum(len(r.block_table)) * block_size)
+    slot utilisation = sum(r.num_computed_tokens for r in running) / (sum(len(table) for table in r.block_tables) * block_size)
 (allocated slots only; the free blocks are reported separately as pool use). Reported: peak concurrent
 sequences and the utilisation at that step, plus the mean / minimum over "saturated" steps (requests still
 waiting, i.e. memory is the limit) and the preemption count. Ratios are hf_paged / hf_padded.
@@ -164,7 +164,7 @@ def paged_worker(model, prompts, gens, budget: int, block_size: int) -> dict:
                 finished += 1
                 generated += len(out.token_ids)
         reqs = engine.scheduler.running
-        n_blocks = sum(len(r.block_table) for r in reqs)
+        n_blocks = sum(len(table) for r in reqs for table in r.block_tables)
         mismatches += n_blocks != total_blocks - engine.scheduler.kv.pool.num_free_blocks  # nothing else may hold blocks
         running.append(len(reqs))
         waiting.append(len(engine.scheduler.waiting))

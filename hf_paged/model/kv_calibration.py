@@ -81,7 +81,7 @@ def measure_kv_maxima(model, spec: ModelSpec, sequences: list[list[int]]) -> lis
     device = spec.kv.device
     dtype = next(model.parameters()).dtype
     per_seq = [-(-len(s) // BLOCK_SIZE) for s in sequences]
-    cache = _MaxRecorder(dataclasses.replace(spec.kv, dtype=dtype), 1 + sum(per_seq), BLOCK_SIZE)
+    cache = _MaxRecorder(dataclasses.replace(spec.kv, dtype=dtype, groups=None), 1 + sum(per_seq), BLOCK_SIZE)
     tables, first = [], 1
     for count in per_seq:
         tables.append(list(range(first, first + count)))

@@ -82,6 +82,8 @@ HYBRIDS = {
     "bamba": dict(attn_layer_indices=[3], **_MAMBA),
     "jamba": dict(attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=2, mamba_d_state=8, use_mamba_kernels=False),
+    "zamba": dict(attn_layer_period=2, attn_layer_offset=0, attention_hidden_size=128, attention_head_dim=32,
+                  n_mamba_heads=2, mamba_d_state=16, mamba_dt_rank=4, use_mamba_kernels=False),
     "zamba2": dict(layers_block_type=["mamba", "mamba", "hybrid", "mamba"], hybrid_layer_ids=[2], mamba_d_state=16,
                    n_mamba_heads=8, use_mamba_kernels=False, chunk_size=16, attention_head_dim=16),
     "lfm2": dict(layer_types=["conv", "conv", "conv", "full_attention"]),

@@ -264,7 +264,10 @@ class GenerateRun:
             self.streamed += 1
 
     def run(self, engine: Engine) -> None:
-        if self.config.return_dict_in_generate and self.config.use_cache is not False:
+        # the returned cache (not for a shared attention block: the engine stores its K/V by call order, HF's cache by
+        # the calling layer's index; the caller then gets no cache and a continuation recomputes)
+        if self.config.return_dict_in_generate and self.config.use_cache is not False \
+                and not engine.spec.shared_attention:
             self.snapshots = KVSnapshots(engine.memory.cache, engine.scheduler.kv.states)  # the returned cache: rows' K/V kept as they finish
             self.block_size = engine.config.block_size
             engine.scheduler.release_hooks.append(self.snapshots.keep)

@@ -80,9 +80,19 @@ def paged_attention_forward(module, query, key, value, attention_mask, *args, sc
     if args or dropout or kwargs:
         check_supported(module, args, dropout, kwargs)
     query = _llama4_temperature(module, query, paged_context.metadata)
-    extras = LayerExtras(sinks=sinks, chunk_size=_chunk_size(module))
-    out = attend_paged(module, query, key, value, paged_context, scaling, sliding_window, softcap, extras)
+    layer = _layer_of(module, paged_context)
+    extras = LayerExtras(sinks=sinks, chunk_size=_chunk_size(module, layer))
+    out = attend_paged(module, query, key, value, paged_context, scaling, sliding_window, softcap, extras, layer)
     return out[None], None
+
+
+def _layer_of(module, context: PagedForwardContext) -> int:
+    """The layer whose K/V this call stores: the module's `layer_idx`; for an attention block shared by several
+    layers (zamba's, whose caller hands each call's layer index to the cache only) the call's place in the forward,
+    as `record_kv_shapes` numbered it: a forward runs its attention calls in the same order every time, so the k-th
+    call always stores in the same pages."""
+    layer = getattr(module, "layer_idx", None)
+    return context.num_calls if layer is None else layer
 
 
 def attend_paged(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: PagedForwardContext,
@@ -114,15 +124,15 @@ def _model_type(module) -> str:
     return getattr(getattr(module, "config", None), "model_type", type(module).__name__)
 
 
-def _chunk_size(module) -> int | None:
+def _chunk_size(module, layer: int) -> int | None:
     """The attention chunk of a "chunked_attention" layer (llama4: `config.attention_chunk_size`), else None."""
     config = getattr(module, "config", None)
     layer_types = getattr(config, "layer_types", None)
-    if not layer_types or layer_types[module.layer_idx] != "chunked_attention":
+    if not layer_types or getattr(module, "layer_idx", None) is None or layer_types[layer] != "chunked_attention":
         return None
     chunk = getattr(config, "attention_chunk_size", None)
     if not chunk:
-        raise UnsupportedAttention(f"model type {_model_type(module)!r}: layer {module.layer_idx} is a "
+        raise UnsupportedAttention(f"model type {_model_type(module)!r}: layer {layer} is a "
                                    f"chunked_attention layer without an attention_chunk_size")
     return int(chunk)
 

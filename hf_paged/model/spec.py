@@ -31,6 +31,9 @@ class ModelSpec:
     interface_layers: int = 0
     # state layers (linear attention, Mamba, short convolutions): {layer: the module holding its state}; {} for none
     state_layers: dict = None
+    # an attention module shared by several layers (zamba's, `layer_idx` None): its K/V are stored by call order
+    # (paged_forward._layer_of), not under the layer indices HF's cache uses
+    shared_attention: bool = False
 
     @property
     def has_state(self) -> bool:
@@ -90,6 +93,8 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
         configs=configs,
         interface_layers=len(attention),
         state_layers=state,
+        shared_attention=any(type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
+                             and m.layer_idx is None for m in model.modules()),
     )
 
 

@@ -123,13 +123,16 @@ MIXED = {
     "cohere2": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"], logit_scale=1.0),
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"] * 2, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=2),
+    # chunked attention (a query sees its own chunk of `window` tokens) between full layers, with NoPE
+    "llama4_text": dict(layer_types=["chunked_attention", "full_attention"] * 2, head_dim=16, num_local_experts=2,
+                        intermediate_size_mlp=128, no_rope_layers=[1, 0, 1, 0]),
 }
 
 
 def tiny_mixed(model_type: str, window: int = 8, seed: int = 0, sharpen: float = 8.0, hidden: int = 64,
                vocab_size: int = 256, max_len: int = 512, dtype=torch.float32, **overrides):
-    """A random-weight stack of `model_type` (one of `MIXED`) mixing sliding-window (`window` tokens) and
-    full-attention layers in its own pattern, in eval mode, its output head scaled by `sharpen`."""
+    """A random-weight stack of `model_type` (one of `MIXED`) mixing sliding-window (`window` tokens; llama4: chunks of
+    `window` tokens) and full-attention layers in its own pattern, in eval mode, its output head scaled by `sharpen`."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -137,7 +140,8 @@ def tiny_mixed(model_type: str, window: int = 8, seed: int = 0, sharpen: float =
     sizes = dict(hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2, intermediate_size=hidden * 2,
                  vocab_size=vocab_size, max_position_embeddings=max_len, pad_token_id=0, bos_token_id=1,
                  eos_token_id=2, tie_word_embeddings=False, num_hidden_layers=len(options["layer_types"]),
-                 sliding_window=window)
+                 **({"attention_chunk_size": window} if "chunked_attention" in options["layer_types"]
+                    else {"sliding_window": window}))
     config = CONFIG_MAPPING[model_type](**{**sizes, **options})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)

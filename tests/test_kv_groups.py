@@ -1,4 +1,5 @@
-"""KV groups on the engine: stacks mixing sliding-window and full-attention layers (gemma3, gemma2, cohere2, gpt-oss)
+"""KV groups on the engine: stacks mixing sliding-window (or chunked: llama4) and full-attention layers (gemma3,
+gemma2, cohere2, gpt-oss, llama4)
 hold a block table per group, give each sliding group's blocks behind its window back, and stay token-exact with HF
 under pressure (chunked prefill, preemption by swap and by recompute, prefix hits, n samples, CUDA-graph padding)."""
 import pytest
@@ -34,7 +35,7 @@ def prompts(lengths=(5, 23, 41, 14), seed=1):
 
 
 def run(model, prompt_list, params=GREEDY, **options):
-    llm = hf_paged.LLM(model, **{"num_blocks": 64, "block_size": 4, **options})
+    llm = hf_paged.LLM(model, **{"num_blocks": 128, "block_size": 2, **options})
     outs = llm.generate(prompt_list, params, use_tqdm=False)
     llm.engine.check_idle()  # every block back, every reference count zero
     return [[list(c.token_ids) for c in o.outputs] for o in outs], llm
@@ -74,8 +75,9 @@ def test_each_window_is_a_group_with_its_own_table(models, model_type):
     kinds = model.config.layer_types
     assert kv.num_groups > 1
     for group in kv.groups:
-        assert {kinds[layer] for layer in group.layers} == {"sliding_attention" if group.window else "full_attention"}
-        assert group.window in (None, WINDOW)
+        kind = "chunked_attention" if group.chunk else "sliding_attention" if group.window else "full_attention"
+        assert {kinds[layer] for layer in group.layers} == {kind}
+        assert group.window in (None, WINDOW) and group.chunk in (None, WINDOW)
     cache = llm.engine.memory.cache
     assert cache.storage.shape[0] == max(len(g.layers) for g in kv.groups)  # a group's worth of layer tensors
     assert kv.pool.num_blocks == 64 * len(kinds) // cache.storage.shape[0]  # num_blocks: blocks of every layer
@@ -119,25 +121,25 @@ def test_n_samples_fork_every_groups_table(models):
     params = hf_paged.SamplingParams(max_tokens=16, temperature=0.9, seed=5, n=3, ignore_eos=True)
     roomy, _ = run(model, prompts(), params, num_blocks=200)
     assert all(len({tuple(s) for s in samples}) > 1 for samples in roomy)  # the samples differ: forks are real
-    pressed, llm = run(model, prompts(), params, num_blocks=18, preemption_mode="recompute")
+    pressed, llm = run(model, prompts(), params, num_blocks=36, preemption_mode="recompute")
     assert pressed == roomy and llm.stats()["num_preemptions"] > 0
     plain, _ = run(model, prompts(), params, enable_prefix_caching=False)
     assert plain == roomy
 
 
 # ---- prefix hits need only what each group sees ---------------------------------------------------------------------
-def shared_prefix(prefix_len=40, suffixes=(3, 5, 2), seed=4):
+def shared_prefix(prefix_len=44, suffixes=(3, 5, 2), seed=4):  # 44: mid-chunk, mid-window
     gen = torch.Generator().manual_seed(seed)
     shared = torch.randint(3, 256, (prefix_len,), generator=gen).tolist()
     return [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in suffixes]
 
 
-@pytest.mark.parametrize("model_type", ("gemma3_text", "gpt_oss"))
+@pytest.mark.parametrize("model_type", ("gemma3_text", "gpt_oss", "llama4_text"))
 def test_prefix_hits_are_exact(models, model_type):
     model = models(model_type)
     batch = shared_prefix()
     plain, _ = run(model, batch, enable_prefix_caching=False)
-    llm = hf_paged.LLM(model, num_blocks=64, block_size=4)
+    llm = hf_paged.LLM(model, num_blocks=128, block_size=2)  # hits end mid-window / mid-chunk
     outs = []
     for prompt in batch:  # one after another: each later prompt finds the first one's blocks
         outs.append([list(c.token_ids) for c in llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs])

@@ -53,12 +53,14 @@ class Scheduler:
     def release_window(self) -> int | None:
         """The sliding window whose blocks behind it go back to the pool before each step, when every KV group has
         the same one (None: some group keeps every block). Setting it sets every group's (None: keep every block)."""
-        windows = set(self.kv.windows)
+        windows = set(self.kv.windows) if not any(self.kv.chunks) else {None}
         return windows.pop() if len(windows) == 1 else None
 
     @release_window.setter
     def release_window(self, window: int | None) -> None:
         self.kv.windows = [window] * self.kv.num_groups
+        if window is None:  # keep every block: chunked groups too
+            self.kv.chunks = [None] * self.kv.num_groups
 
     @property
     def has_work(self) -> bool:

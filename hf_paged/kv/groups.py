@@ -13,7 +13,8 @@ missing positions are memory no layer uses). A model whose attention layers all 
 group holding all of them: the layout is then one tensor per layer, as if there were no groups.
 
 Invariants: groups are ordered by their first layer; every attention layer is in exactly one group; a group's layers
-share its `window`.
+share its `window` and `chunk`. A chunked-attention group (llama4) gives back the blocks before its query's chunk, as a
+sliding group those behind its window.
 """
 from __future__ import annotations
 
@@ -22,29 +23,42 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class KVGroup:
-    """Layers (ascending) that share a block table; `window`: the sliding window every one of them applies (None: full
-    attention, every block kept)."""
+    """Layers (ascending) that share a block table; `window`: the sliding window every one of them applies, `chunk`:
+    the attention chunk (llama4's chunked attention: a query sees its own chunk only); both None: full attention,
+    every block kept."""
 
     layers: tuple[int, ...]
     window: int | None = None
+    chunk: int | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.window is None and self.chunk is None
 
     def first_needed(self, position: int) -> int:
         """The first slot a query at `position` (or later) can read: 0 for full attention."""
-        return 0 if self.window is None else max(position - self.window + 1, 0)
+        first = 0
+        if self.window is not None:
+            first = max(position - self.window + 1, 0)
+        if self.chunk is not None:
+            first = max(first, position // self.chunk * self.chunk)
+        return first
 
 
-def plan_groups(windows: dict[int, int | None]) -> tuple[KVGroup, ...]:
-    """Groups for attention layers whose sliding windows (None: full attention) are `windows` (layer -> window)."""
-    if not windows:
+def plan_groups(kinds_of: dict[int, int | None | tuple]) -> tuple[KVGroup, ...]:
+    """Groups for attention layers whose kinds are `kinds_of` (layer -> sliding window, None for full attention, or
+    (window, chunk))."""
+    if not kinds_of:
         return ()
-    kinds: dict[int | None, list[int]] = {}
-    for layer in sorted(windows):
-        kinds.setdefault(windows[layer], []).append(layer)
+    kinds: dict[tuple, list[int]] = {}
+    for layer in sorted(kinds_of):
+        kind = kinds_of[layer] if isinstance(kinds_of[layer], tuple) else (kinds_of[layer], None)
+        kinds.setdefault(kind, []).append(layer)
     if len(kinds) == 1:
-        ((window, layers),) = kinds.items()
-        return (KVGroup(tuple(layers), window),)
+        ((kind, layers),) = kinds.items()
+        return (KVGroup(tuple(layers), *kind),)
     size = min(len(layers) for layers in kinds.values())
-    groups = [KVGroup(tuple(layers[i:i + size]), window) for window, layers in kinds.items()
+    groups = [KVGroup(tuple(layers[i:i + size]), *kind) for kind, layers in kinds.items()
               for i in range(0, len(layers), size)]
     return tuple(sorted(groups, key=lambda group: group.layers[0]))
 

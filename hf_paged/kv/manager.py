@@ -44,7 +44,8 @@ class KVCacheManager:
     never changes a sequence's `num_computed_tokens` (the scheduler does); it tells the scheduler how many tokens a
     prefix hit covers (the same for every group). Blocks whose memory must be cleared before use (never used yet, or
     last held by a request whose K/V went non-finite) are reported once by `take_blocks_to_clear` when handed out.
-    A group whose layers attend through a sliding window (`windows[g]`, switched off with None) gives back the blocks
+    A group whose layers attend through a sliding window (`windows[g]`) or in chunks (`chunks[g]`; both switched off
+    with None) gives back the blocks
     behind it (`release_behind`): their table entries become the null block (never counted, never freed), always a
     leading run of that group's table. A prefix hit serves a sliding group with only the blocks its window sees.
 
@@ -61,6 +62,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.groups = tuple(groups) if groups else (KVGroup(()),)
         self.windows: list[int | None] = [group.window for group in self.groups]  # release behind (None: keep all)
+        self.chunks: list[int | None] = [group.chunk for group in self.groups]  # release before the query's chunk
         self.max_chunk: int | None = None  # the most tokens a step computes for one sequence (None: not bounded)
         self.states = states
         self.checkpoints = checkpoints if states is not None and enable_prefix_caching else None
@@ -90,15 +92,20 @@ class KVCacheManager:
             request.block_tables = [[] for _ in self.groups]
         return request.block_tables
 
+    def _span(self, group: int) -> int | None:
+        """The most slots before a query a releasing group's queries read (None: the group keeps every block)."""
+        spans = [size - 1 for size in (self.windows[group], self.chunks[group]) if size is not None]
+        return min(spans) if spans else None
+
     def group_bound(self, group: int, num_tokens: int) -> int:
         """The most blocks a sequence of `num_tokens` tokens holds at once in `group`: every one, or in a group that
-        gives blocks back behind its window (with `max_chunk`, the most tokens one step computes for a sequence,
-        set), the window's, one step's chunk, one partly covered and the last published one kept."""
+        gives blocks back behind its window or chunk (with `max_chunk`, the most tokens one step computes for a
+        sequence, set), the span its queries read, one step's chunk, one partly covered and the last published one."""
         count = blocks_needed(num_tokens, self.block_size)
-        window = self.windows[group]
-        if window is None or self.max_chunk is None:
+        span = self._span(group)
+        if span is None or self.max_chunk is None:
             return count
-        return min(count, blocks_needed(window - 1 + self.max_chunk, self.block_size) + 2)
+        return min(count, blocks_needed(span + self.max_chunk, self.block_size) + 2)
 
     def blocks_for(self, num_tokens: int) -> int:
         """The most block ids a sequence of `num_tokens` tokens holds at once, over all groups."""
@@ -361,17 +368,18 @@ class KVCacheManager:
             request.state_slot = -1
 
     def release_behind(self, request: Sequence, position: int) -> int:
-        """In each group with a window, give back the blocks holding only slots its queries from `position` on never
+        """In each group with a window or chunks, give back the blocks holding only slots its queries from `position` on never
         read; their entries become the null block. Only published blocks go (they stay in the prefix map, free to
         serve a later hit until evicted), so the prefix chain of the ones still to publish is intact. They count as
         not clean: a forward pass may have written non-finite K/V into them that no sampled row has revealed yet (a
         prompt's chunks), so each is cleared before it is handed out again. Returns how many blocks went back."""
         released = 0
         for g, table in enumerate(request.block_tables):
-            window = self.windows[g]
-            if window is None:
+            window, chunk = self.windows[g], self.chunks[g]
+            if window is None and chunk is None:
                 continue
-            count = max(position - window + 1, 0) // self.block_size
+            first = KVGroup((), window, chunk).first_needed(position)
+            count = first // self.block_size
             if self.enable_prefix_caching and not request.stale_kv:  # the last published block stays: the next one
                 count = min(count, request.num_published_blocks - 1)  # to publish chains to it (a stale one: none)
             if count <= 0:

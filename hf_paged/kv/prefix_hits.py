@@ -30,23 +30,23 @@ def find_hits(pool: BlockPool, groups: tuple[KVGroup, ...], block_size: int, key
     limit = len(keys)
     for g, group in enumerate(groups):
         blocks: list[Block | None] = []
-        for i, key in enumerate(keys[:limit] if group.window is None else keys):
+        for i, key in enumerate(keys[:limit] if group.full else keys):
             chunk = tokens[i * block_size:(i + 1) * block_size]
-            if group.window is None:
+            if group.full:
                 block = pool.lookup(group_key(g, key), chunk, blocks[-1] if blocks else None)
                 if block is None:
                     break
             else:
                 block = pool.lookup(group_key(g, key), chunk, None, any_parent=True)
             blocks.append(block)
-        if group.window is None:
+        if group.full:
             limit = min(limit, len(blocks))
         found.append(blocks)
     count = limit
     while True:
         before = count
         for g, group in enumerate(groups):
-            while count and group.window is not None and any(
+            while count and not group.full and any(
                     found[g][i] is None for i in range(first_seen(group, count, block_size), count)):
                 count -= 1
         if checkpoints is not None:

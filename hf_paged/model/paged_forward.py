@@ -28,8 +28,7 @@ class PagedForwardContext:
     num_calls: int = 0  # attention calls that reached the paged function in this forward (one per layer)
     windows: list | None = None  # the start-up check's list: gets the sliding_window each call passed (None: none)
     states: object = None  # the step's `state_layers.StateStep` on a model with state layers
-    # with several KV groups, each group's metadata (its own tables and slots; `metadata` is the first group's)
-    group_metadata: list | None = None
+    group_metadata: list | None = None  # with several KV groups, each one's (`metadata`: the first group's)
 
     def metadata_of(self, layer: int) -> AttentionMetadata:
         """The metadata layer `layer` reads and writes its pages with."""
@@ -87,10 +86,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, *args, sc
 
 
 def _layer_of(module, context: PagedForwardContext) -> int:
-    """The layer whose K/V this call stores: the module's `layer_idx`; for an attention block shared by several
-    layers (zamba's, whose caller hands each call's layer index to the cache only) the call's place in the forward,
-    as `record_kv_shapes` numbered it: a forward runs its attention calls in the same order every time, so the k-th
-    call always stores in the same pages."""
+    """The layer whose K/V this call stores: the module's `layer_idx`, or for a block shared by several layers (zamba's)
+    the call's place in the forward, as `record_kv_shapes` numbered it (the same place in every forward)."""
     layer = getattr(module, "layer_idx", None)
     return context.num_calls if layer is None else layer
 
@@ -104,7 +101,7 @@ def attend_paged(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     context.num_calls += 1
     layer = module.layer_idx if layer is None else layer
     if context.windows is not None:
-        context.windows.append((layer, sliding_window))
+        context.windows.append((layer, (sliding_window, extras.chunk_size if extras is not None else None)))
     cache = context.kv_cache
     spec = cache.spec
     if key.shape[1] != spec.num_kv_heads or key.shape[3] != spec.head_dim or value.shape[1:4:2] != key.shape[1:4:2]:

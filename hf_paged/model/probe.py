@@ -51,7 +51,8 @@ TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # relative to the larges
 
 def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences: list[list[int]]) -> tuple:
     """Run every sequence through the packed steps of `STEPS`: the last logits of each sequence at each step, and the
-    sliding window each layer's attention call passed in the last step (layer -> window; None: none, or several)."""
+    (sliding window, attention chunk) each layer's attention call passed in the last step (layer -> pair; None in it:
+    none, or several)."""
     device = spec.kv.device
     blocks_per_sequence = -(-max(map(len, sequences)) // BLOCK_SIZE)
     dtype = next(model.parameters()).dtype  # the model's own dtype, also when the engine's cache is fp8
@@ -83,11 +84,14 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
     return results, {layer: _one_window(windows) for layer, windows in seen.items()}
 
 
-def _one_window(windows: set) -> int | None:
-    """The window of a layer whose calls passed `windows`: one positive int, else None (keep every block)."""
-    window = windows.pop() if len(windows) == 1 else None
-    valid = isinstance(window, int) and not isinstance(window, bool) and window > 0
-    return window if valid else None
+def _one_window(kinds: set) -> tuple[int | None, int | None]:
+    """(window, chunk) of a layer whose calls passed `kinds` ((sliding_window, attention chunk) pairs): each one
+    positive int, else None (keep every block)."""
+    window, chunk = kinds.pop() if len(kinds) == 1 else (None, None)
+
+    def valid(size) -> int | None:
+        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    return valid(window), valid(chunk)
 
 
 def _states(slots: StateSlots | None, query_lens: list[int], step: int) -> StateStep | None:
@@ -206,9 +210,9 @@ def _window_fields(config) -> tuple:
 
 
 @torch.inference_mode()
-def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> dict[int, int | None]:
+def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> dict[int, tuple]:
     """Raise ValueError when the paged forward does not reproduce the model's own logits (see the module doc).
-    Returns the sliding window each attention layer applies (layer -> window, None: full attention)."""
+    Returns (sliding window, attention chunk) of each attention layer (layer -> pair, None: not limited that way)."""
     dtype = next(model.parameters()).dtype
     # the verdict depends on the mode too: dropout in training mode makes no two forwards agree
     key = (backends.name, str(dtype), str(spec.kv.device), _window_fields(model.config), model.training)

@@ -1,5 +1,6 @@
-"""Few-row CPU linears (hf_paged/model/small_linear.py): the native kernel and the W @ x^T fallback give F.linear's
-products (float64 reference), are swapped in only for one forward, and never read past a recast weight."""
+"""Few-row CPU linears (hf_paged/model/small_linear.py): the native kernel, W @ x^T and the measured choice among them
+and F.linear give F.linear's products (float64 reference), are swapped in only for one forward, and never read past a
+recast weight. How the measured choice is made: tests/test_linear_choice.py."""
 import threading
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from hf_paged.model import SmallBatchLinears
 from hf_paged.model import small_linear
+from hf_paged.model.linear_choice import TABLE
 from hf_paged.model.small_linear import CHUNK, KERNEL_MAX_ROWS, MAX_ROWS, load_small_gemm
 
 
@@ -22,19 +24,35 @@ class Net(torch.nn.Module):
         return self.head(h), self.quantized(h)
 
 
-@pytest.fixture(params=["kernel", "w_xt"])
+PRODUCTS = {  # fixture param -> (environment, how small_linear_status() starts)
+    "kernel": ({"HF_PAGED_SMALL_LINEARS": "kernel"}, "native kernel (forced"),
+    "w_xt": ({"HF_PAGED_SMALL_LINEARS": "w_xt"}, "W @ x^T (forced"),
+    "kernel_missing": ({"HF_PAGED_SMALL_LINEARS": "kernel", "HF_PAGED_SMALL_GEMM": "0"}, "W @ x^T (disabled"),
+    "measured": ({}, "native kernel, W @ x^T or F.linear, the fastest measured"),
+    "measured_no_kernel": ({"HF_PAGED_SMALL_GEMM": "0"}, "W @ x^T or F.linear, the fastest measured"),
+}
+
+
+@pytest.fixture(params=list(PRODUCTS))
 def product(request, monkeypatch):
-    """Both products: the native kernel (this machine has a C compiler: it must load) and W @ x^T without it."""
-    if request.param == "w_xt":
-        monkeypatch.setenv("HF_PAGED_SMALL_GEMM", "0")
+    """Every product: the native kernel forced (this machine has a C compiler: it must load), W @ x^T forced or as
+    the forced kernel's fallback, and the measured choice (linear_choice) with and without the kernel."""
+    monkeypatch.delenv("HF_PAGED_SMALL_LINEARS", raising=False)
+    for name, value in PRODUCTS[request.param][0].items():
+        monkeypatch.setenv(name, value)
     load_small_gemm.cache_clear()
+    TABLE.clear()
     yield request.param
     load_small_gemm.cache_clear()
+    TABLE.clear()
 
 
-def test_the_kernel_builds_here():
+def test_the_kernel_builds_here(monkeypatch):
+    monkeypatch.delenv("HF_PAGED_SMALL_LINEARS", raising=False)
+    monkeypatch.delenv("HF_PAGED_SMALL_GEMM", raising=False)
     load_small_gemm.cache_clear()
-    assert small_linear.small_linear_status() == "native kernel"
+    assert load_small_gemm() is not None
+    assert small_linear.small_linear_status().startswith("native kernel, W @ x^T or F.linear")
 
 
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
@@ -45,7 +63,7 @@ def test_same_products_as_f_linear(rows, product):
     want = net(x)
     linears = SmallBatchLinears(net)
     assert {id(m) for m in linears.modules} == {id(net.proj), id(net.head)}
-    assert small_linear.small_linear_status().startswith("native" if product == "kernel" else "W @ x^T")
+    assert small_linear.small_linear_status().startswith(PRODUCTS[product][1])
     with linears.active(), torch.inference_mode():  # as the engine runs it (with gradients: F.linear, see below)
         got = net(x)
     for a, b in zip(got, want):
@@ -56,6 +74,7 @@ def test_same_products_as_f_linear(rows, product):
 def test_each_call_picks_its_product_by_its_own_rows(monkeypatch):
     """In a prefill step the layers get many rows (F.linear) while the LM head gets only the sampled rows (the
     kernel): the choice is made per call, not per step."""
+    monkeypatch.setenv("HF_PAGED_SMALL_LINEARS", "kernel")
     load_small_gemm.cache_clear()
     net = Net()
     linears = SmallBatchLinears(net)

@@ -157,8 +157,13 @@ def worker(args, setup: dict) -> None:
     embed = model.get_input_embeddings().weight.numel()
     head = model.get_output_embeddings().weight.numel()
     total = sum(p.numel() for p in model.parameters())
+    extra = {}
+    if args.worker == "hf_paged":  # what the few-row linears chose, measured on this machine in this process
+        from hf_paged.model.small_linear import small_linear_choices, small_linear_status
+
+        extra["small_linears"] = {"status": small_linear_status(), "choices": small_linear_choices()}
     emit_result({"system": args.worker, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
-                 "threads": threads,
+                 "threads": threads, **extra,
                  "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": peak_rss_mb(), "tokens": tokens,
                  "params": {"total": total, "embedding": embed, "lm_head": head,
                             "non_embedding": total - embed - head}})
@@ -185,9 +190,36 @@ def _best_of(system: str, n: int, measured: list[dict]) -> dict:
     best["round_seconds"] = [r["seconds"] for r in measured]
     best["round_cpu_seconds"] = [r.get("cpu_seconds") for r in measured]
     best["peak_rss_mb"] = max(r["peak_rss_mb"] for r in measured)
+    if "small_linears" in best:  # each round is a process of its own that measured afresh
+        best["round_small_linear_paths"] = [_linear_paths(r) for r in measured]
     if any(r["tokens"] != best["tokens"] for r in measured):
         raise RuntimeError(f"{system} gave different tokens in different rounds at {n} requests")
     return best
+
+
+def _linear_paths(result: dict) -> dict[str, str]:
+    """A worker's small-linear choices as {"out x in rows<=b threads=t": path}."""
+    return {f"{c['shape'][0]}x{c['shape'][1]} rows<={c['rows']} threads={c['threads']}": c["path"]
+            for c in result.get("small_linears", {}).get("choices", [])}
+
+
+def print_small_linears(results: list[dict]) -> None:
+    """The few-row linear products hf_paged's workers measured and chose (model/linear_choice.py), per weight shape
+    and row bucket: each candidate's best time in us, and whether every round chose alike."""
+    for r in results:
+        if not r.get("small_linears"):
+            continue
+        rounds = r.get("round_small_linear_paths", [])
+        same = all(paths == rounds[0] for paths in rounds)
+        status = r["small_linears"]["status"].split("; chosen:")[0]  # the choices: the table below
+        print(f"\nsmall linears in hf_paged's worker, {r['requests']} requests (fastest round; "
+              f"{'all rounds chose alike' if same else 'rounds chose differently'}): {status}")
+        rows = [[f"{c['shape'][0]}x{c['shape'][1]}", c["rows"], c["threads"], c["path"],
+                 *(c["us"].get(name) for name in ("kernel", "w_xt", "f_linear")), c["probe_ms"]]
+                for c in r["small_linears"]["choices"]]
+        if rows:
+            print(format_table(["weight", "rows <=", "threads", "chosen", "kernel us", "W @ x^T us", "F.linear us",
+                                "probe ms"], rows))
 
 
 def _paired_ratios(results: list[dict], n: int, system: str, base: str) -> list[float] | None:
@@ -332,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             if cpu := r.get("vs_hf_padded_cpu_per_round"):
                 print(f"  hf_paged x hf_padded, CPU s {r['requests']:>3} requests: "
                       + " ".join(f"{v:.2f}" for v in cpu) + f"  (median {statistics.median(cpu):.2f})")
+    print_small_linears(results)
     if (png := plot_path(args, path)) is not None:
         plot(png, report)
     return 0 if all("error" not in r for r in results) else 1

@@ -1,18 +1,23 @@
-"""Linear layers for decode-sized CPU steps: a native kernel (`cpu/small_gemm.c`), else y = (W x^T)^T.
+"""Linear layers for decode-sized CPU steps: whichever of a native kernel (`cpu/small_gemm.c`), y = (W x^T)^T and
+F.linear measured fastest on this machine for the weight's shape and the call's row count.
 
-A decode step multiplies a handful of rows by every weight matrix of the model. MKL's sgemm does such skinny
-products far below what the CPU can do: on a 2-vCPU EPYC it multiplies the LM head [32000, 512] by one row in
-7.5 ms while merely reading that weight takes 2.7 ms. So:
+A decode step multiplies a handful of rows by every weight matrix of the model, and BLAS handles such skinny products
+unevenly. Candidates for fp32 products of 1 to KERNEL_MAX_ROWS (128) rows:
 
-- With a C compiler, fp32 products of 1 to KERNEL_MAX_ROWS (128) rows run `small_gemm_f32` (built on first use,
-  like the CPU attention kernel: hf_paged/native.py). Up to 4 rows it takes dot products straight from the rows;
-  from 5 rows on it broadcasts each weight element against 16 or 32 rows at once. Measured on that EPYC, kernel
-  vs the best MKL layout, LM head [32000, 512]: 1 row 3.3 vs 7.5 ms, 16 rows 5.0 vs 9.9 ms, 64 rows 13-14 vs
-  22 ms, 128 rows 31 vs 43 ms; [1376, 512]: 1 row 0.04 vs 0.08 ms, 16 rows 0.12-0.14 vs 0.20 ms, 64 rows 0.5 vs
-  0.6-0.8 ms; from about 256 rows on MKL is as fast or faster. Since weights are prefetched a tile ahead and x is
-  packed by in-register transposes (2026-12-04), the LM head takes 1.9 ms at 1 row, 3.0 ms at 16, 11.0 ms at 64.
-- Without a compiler (or with `HF_PAGED_SMALL_GEMM=0`), up to MAX_ROWS (64) rows: W @ x^T, which MKL streams
-  1.3-1.6x faster than F.linear's x @ W^T for few rows (LM head on the EPYC at 64 rows: 21 vs 28 ms).
+- the native kernel `small_gemm_f32` (with a C compiler; built on first use, like the CPU attention kernel:
+  hf_paged/native.py). Up to 4 rows it takes dot products straight from the rows; from 5 rows on it broadcasts each
+  weight element against 16 or 32 rows at once. On a 2-vCPU EPYC it multiplies the LM head [32000, 512] by one row in
+  1.9-2.7 ms against MKL's 5.5-7.5 ms; on an AMX Xeon MKL was 1.7x faster than it. `HF_PAGED_SMALL_GEMM=0`: not built;
+- W @ x^T, which MKL streams faster than x @ W^T for few rows on some machines and slower on others;
+- F.linear itself.
+
+Nothing about speed is assumed: by default (`HF_PAGED_SMALL_LINEARS` unset, `1` or `auto`) the first call of each
+(weight shape, dtype, row bucket, torch thread count) times the candidates on that call's own weight and keeps the
+fastest for the process, F.linear unless a fast path beats it by more than 5 % (`linear_choice`: invariants, probe
+cost, the optional disk cache). `HF_PAGED_SMALL_LINEARS=0`
+turns all of it off (F.linear, as without hf_paged); `=kernel` forces the kernel (W @ x^T up to MAX_ROWS where it
+did not load) and `=w_xt` forces W @ x^T up to MAX_ROWS (64): for tests and comparisons. `small_linear_status()` says
+which products are in play and what was chosen per shape; `small_linear_choices()` gives the same as data.
 
 Every output is the same sum as F.linear's in another order of floating-point additions (like any other kernel
 choice). `SmallBatchLinears.active()` swaps the `forward` of each plain `torch.nn.Linear` of the model
@@ -20,12 +25,13 @@ choice). `SmallBatchLinears.active()` swaps the `forward` of each plain `torch.n
 on error; they run only in the thread that swapped them in (`switches.THIS_THREAD.linears`): a plain forward of
 the model in another thread meanwhile gets F.linear, as without hf_paged. Only fp32 CPU weights take it; each call
 re-checks dtype, device and layout (a model cast or moved after the engine was built gets F.linear).
-`HF_PAGED_SMALL_LINEARS=0` turns all of it off; `small_linear_status()` says which product is in use.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import logging
 import os
 import types
 from contextlib import contextmanager
@@ -34,9 +40,11 @@ from pathlib import Path
 import torch
 
 from .. import native
+from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
-MAX_ROWS = 64  # W @ x^T: above this the usual layout is as fast or faster
+logger = logging.getLogger("hf_paged")
+MAX_ROWS = 64  # W @ x^T when forced (HF_PAGED_SMALL_LINEARS=w_xt, or =kernel without the kernel)
 KERNEL_MAX_ROWS = 128  # the native kernel: beyond this MKL catches up
 CHUNK = 4096  # output rows per product: keeps each piece of a large (LM head) weight streaming through the cache
 SOURCE = Path(__file__).with_name("cpu") / "small_gemm.c"
@@ -71,21 +79,51 @@ def load_small_gemm() -> SmallGemm | None:
     return kernel
 
 
+MODES = {"0": "off", "1": "auto", "auto": "auto", "": "auto", "kernel": "kernel", "w_xt": "w_xt"}
+_warned_modes: set[str] = set()
+
+
+def mode() -> str:
+    """`HF_PAGED_SMALL_LINEARS`: "off" (0), "kernel" or "w_xt" (forced), else "auto" (measured; an unknown value
+    is warned about once and taken as auto)."""
+    value = os.environ.get("HF_PAGED_SMALL_LINEARS", "1").strip().lower()
+    if value not in MODES and value not in _warned_modes:
+        _warned_modes.add(value)
+        logger.warning("hf_paged: HF_PAGED_SMALL_LINEARS=%r is none of 0, 1, auto, kernel, w_xt: measuring (auto)",
+                       value)
+    return MODES.get(value, "auto")
+
+
 def small_linear_status() -> str:
-    """Which product few-row fp32 CPU linears use: the native kernel, or why not."""
-    if os.environ.get("HF_PAGED_SMALL_LINEARS", "1") == "0":
+    """Which products few-row fp32 CPU linears use (the native kernel, or why not) and, measured, what was chosen
+    per weight shape and row bucket so far in this process."""
+    chosen = mode()
+    if chosen == "off":
         return "off (HF_PAGED_SMALL_LINEARS=0)"
-    load_small_gemm()
-    return "native kernel" if _status.get("reason") == "loaded" else f"W @ x^T ({_status.get('reason')})"
+    loaded = load_small_gemm() is not None
+    reason = _status.get("reason")
+    if chosen == "kernel":
+        return ("native kernel" if loaded else f"W @ x^T ({reason})") + " (forced: HF_PAGED_SMALL_LINEARS=kernel)"
+    if chosen == "w_xt":
+        return "W @ x^T (forced: HF_PAGED_SMALL_LINEARS=w_xt)"
+    head = ("native kernel, W @ x^T or F.linear" if loaded else "W @ x^T or F.linear") + \
+        ", the fastest measured per weight shape and row count" + ("" if loaded else f" (no native kernel: {reason})")
+    report = summary(TABLE.report())
+    return f"{head}; chosen: {report}" if report else f"{head}; nothing measured yet"
+
+
+def small_linear_choices() -> list[dict]:
+    """Every measured choice so far: shape, dtype, rows (bucket), threads, path, each candidate's best us, source."""
+    return TABLE.report()
 
 
 def _kernel_takes(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Checked on every call, as the kernel reads raw pointers and records no autograd graph: a model cast or moved
     after the engine was built (`model.half()`, `.to(...)`), a call that needs gradients (a user's own forward on the
     same model in another thread while an engine step runs) or runs under CPU autocast all take F.linear."""
-    return (rows.dtype == weight.dtype == torch.float32 and rows.device.type == weight.device.type == "cpu"
+    return (rows.dtype == weight.dtype == torch.float32 and rows.is_cpu and weight.is_cpu
             and weight.is_contiguous() and weight.dim() == 2 and rows.shape[1] == weight.shape[1]
-            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()
                                   and bias.shape == weight.shape[:1]))
             and not (torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
@@ -100,11 +138,89 @@ def _rows(x: torch.Tensor, limit: int) -> torch.Tensor | None:
     return rows if rows.shape[0] <= limit else None
 
 
-# Both forwards are plain functions bound to their module (types.MethodType), not closures over it: a copy of the
+def _w_xt(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(W @ rows^T)^T (+ bias) as a contiguous [m, n]; an LM-head-sized weight in CHUNK-row pieces."""
+    columns = rows.t()
+    if weight.shape[0] > CHUNK:  # each piece lands transposed in place: one pass over the output
+        out = rows.new_empty(rows.shape[0], weight.shape[0])
+        for i in range(0, weight.shape[0], CHUNK):
+            out[:, i:i + CHUNK] = torch.mm(weight[i:i + CHUNK], columns).t()
+    else:
+        out = torch.mm(weight, columns).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _identity() -> str:
+    """What besides the CPU decides the products' speed: for the on-disk choices' file name."""
+    return f"torch {torch.__version__} small_gemm {hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}"
+
+
+def candidates(kernel: SmallGemm | None) -> dict:
+    """The products a measured call chooses from, in tie-break order: name -> f(rows, weight, bias) -> [m, n]."""
+    products = {"kernel": kernel} if kernel is not None else {}
+    products.update(w_xt=_w_xt, f_linear=torch.nn.functional.linear)
+    return products
+
+
+def _checked(product, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What a call that chose `product` (not F.linear) runs: `_kernel_takes` first. The probe times this, so that a
+    product must beat F.linear by more than the check costs (a few us: it matters for the smallest weights)."""
+    _kernel_takes(rows, weight, bias)
+    return product(rows, weight, bias)
+
+
+def _choose(key: tuple, kernel: SmallGemm | None, rows: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None):
+    """Probe `key` (first call of its shape, bucket and thread count) on this call's weight: the bucket's row count
+    made of this call's rows repeated (no random numbers drawn: the caller's RNG is untouched)."""
+    products = candidates(kernel)
+    want = key[2]
+    if rows.shape[0] != want:
+        rows = rows[torch.arange(want, device=rows.device) % rows.shape[0]]
+    f_linear = torch.nn.functional.linear
+    runs = {name: functools.partial(f_linear, rows, weight, bias) if product is f_linear
+            else functools.partial(_checked, product, rows, weight, bias) for name, product in products.items()}
+    with torch.no_grad():
+        return TABLE.choose(Key(tuple(key[0]), *key[1:]), products, runs, identity=_identity())
+
+
+# The forwards are plain functions bound to their module (types.MethodType), not closures over it: a copy of the
 # model taken while they are swapped in (copy.deepcopy binds a method to the copied module) computes with its own
 # weights, and `drop_leftover_forwards` can recognize them. The parameters are read on every call: one replaced after
 # the engine was built is used as it is now. Outside the thread that swapped them in they are nn.Linear's forward.
+def _measured_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    """The default: the product measured fastest for this weight's shape, this call's row bucket and thread count
+    (`linear_choice`). Cheapest checks first: a call whose choice is F.linear costs a dict lookup more than F.linear;
+    any other product runs only on inputs `_kernel_takes` (so all candidates see inputs the kernel could take)."""
+    weight, bias = self.weight, self.bias
+    if id(self) not in THIS_THREAD.linears:
+        return torch.nn.functional.linear(input, weight, bias)
+    shape = input.shape
+    m = input.numel() // shape[-1] if shape and shape[-1] else 0
+    if not 0 < m <= KERNEL_MAX_ROWS:
+        return torch.nn.functional.linear(input, weight, bias)
+    kernel = load_small_gemm()
+    # a plain tuple: equal to (and hashed like) the linear_choice.Key it was stored under, cheaper to build
+    key = (weight.shape, weight.dtype, BUCKET_OF[m], torch.get_num_threads(), kernel is not None)
+    product = TABLE.fast.get(key)
+    if product is torch.nn.functional.linear:
+        return torch.nn.functional.linear(input, weight, bias)
+    rows = input.reshape(m, shape[-1])
+    if not _kernel_takes(rows, weight, bias):
+        return torch.nn.functional.linear(input, weight, bias)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if product is None:
+        product = _choose(key, kernel, rows, weight, bias)
+    out = product(rows, weight, bias)
+    return out if len(shape) == 2 else out.view(*shape[:-1], weight.shape[0])
+
+
 def _kernel_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    """Forced (HF_PAGED_SMALL_LINEARS=kernel): the native kernel up to KERNEL_MAX_ROWS rows."""
     weight, bias = self.weight, self.bias
     if id(self) not in THIS_THREAD.linears:
         return torch.nn.functional.linear(input, weight, bias)
@@ -118,23 +234,15 @@ def _kernel_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor: 
 
 
 def _small_batch_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """Forced (HF_PAGED_SMALL_LINEARS=w_xt, or =kernel where it did not load): W @ x^T up to MAX_ROWS rows."""
     weight, bias = self.weight, self.bias
     rows = _rows(input, MAX_ROWS)
     if rows is None or weight.dim() != 2 or id(self) not in THIS_THREAD.linears:
         return torch.nn.functional.linear(input, weight, bias)
-    columns = rows.t()
-    if weight.shape[0] > CHUNK:  # each piece lands transposed in place: one pass over the output
-        out = rows.new_empty(rows.shape[0], weight.shape[0])
-        for i in range(0, weight.shape[0], CHUNK):
-            out[:, i:i + CHUNK] = torch.mm(weight[i:i + CHUNK], columns).t()
-    else:
-        out = torch.mm(weight, columns).t().contiguous()
-    if bias is not None:
-        out += bias
-    return out.view(*input.shape[:-1], weight.shape[0])
+    return _w_xt(rows, weight, bias).view(*input.shape[:-1], weight.shape[0])
 
 
-OUR_FORWARDS = (_kernel_linear, _small_batch_linear)
+OUR_FORWARDS = (_measured_linear, _kernel_linear, _small_batch_linear)
 
 
 def drop_leftover_forwards(model: torch.nn.Module) -> int:
@@ -153,12 +261,17 @@ class SmallBatchLinears:
     """The model's plain fp32 CPU linear layers, found once; `active()` is a context for one forward."""
 
     def __init__(self, model: torch.nn.Module):
-        enabled = os.environ.get("HF_PAGED_SMALL_LINEARS", "1") != "0"
-        self.modules = [m for m in model.modules() if enabled and type(m) is torch.nn.Linear
+        self.mode = mode()  # read once: HF_PAGED_SMALL_LINEARS as it was when the engine was built
+        self.modules = [m for m in model.modules() if self.mode != "off" and type(m) is torch.nn.Linear
                         and type(m.weight.data) is torch.Tensor  # not a tp_plan DTensor shard
                         and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-        kernel = load_small_gemm() if self.modules else None
-        function = _small_batch_linear if kernel is None else _kernel_linear
+        kernel = load_small_gemm() if self.modules and self.mode != "w_xt" else None  # built now, not mid-step
+        if self.mode == "auto":
+            function = _measured_linear
+        elif self.mode == "kernel" and kernel is not None:
+            function = _kernel_linear
+        else:
+            function = _small_batch_linear
         self.forwards = [types.MethodType(function, m) for m in self.modules]
         self.ids = frozenset(id(m) for m in self.modules)
 

@@ -1,0 +1,322 @@
+"""The measured choice of few-row linear products (hf_paged/model/linear_choice.py, small_linear._measured_linear):
+the probe keeps the faster path, probes each (shape, dtype, row bucket, thread count) once, honours the overrides and
+the optional disk cache. Speeds are never measured here: fake products advance a fake clock by fixed costs."""
+import json
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from hf_paged.model import SmallBatchLinears, linear_choice, small_linear
+from hf_paged.model.linear_choice import BUCKET_OF, BUCKETS, MAX_ROUNDS, MIN_ROUNDS, TABLE, Key, fastest, time_paths
+from hf_paged.model.small_linear import load_small_gemm
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Fakes:
+    """Fake products: each runs the real product it stands for (so results stay right) and advances the fake clock
+    by its cost; `calls` counts each one's runs, `probes` the probes (`time_paths` calls)."""
+
+    def __init__(self, monkeypatch, costs: dict[str, float]):
+        self.clock, self.costs, self.probes, self.made, self.barrier = FakeClock(), dict(costs), 0, 0, None
+        self.calls = dict.fromkeys(costs, 0)
+        monkeypatch.setattr(linear_choice, "clock", self.clock)
+        self.real, timed = small_linear.candidates, linear_choice.time_paths
+        monkeypatch.setattr(small_linear, "candidates", self.candidates)
+
+        def time_paths(*args, **kwargs):
+            self.probes += 1
+            return timed(*args, **kwargs)
+        monkeypatch.setattr(linear_choice, "time_paths", time_paths)
+
+    def candidates(self, kernel):
+        """Made on a call that found no choice (before the probe's lock); `barrier`: wait for other threads here."""
+        self.made += 1
+        if self.barrier is not None:
+            self.barrier.wait(timeout=10)
+        real = self.real(kernel)
+
+        def fake(name):
+            def run(rows, weight, bias):
+                self.calls[name] += 1
+                self.clock.now += self.costs[name]
+                return real[name](rows, weight, bias)
+            return run
+        return {name: fake(name) for name in self.costs if name in real}
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    for name in ("HF_PAGED_SMALL_LINEARS", "HF_PAGED_SMALL_GEMM", linear_choice.CACHE_SWITCH):
+        monkeypatch.delenv(name, raising=False)
+    load_small_gemm.cache_clear()
+    TABLE.clear()
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    load_small_gemm.cache_clear()
+    TABLE.clear()
+
+
+def run(net, x):
+    with SmallBatchLinears(net).active(), torch.inference_mode():
+        return net(x)
+
+
+class Paths:
+    """Fake candidates for time_paths: each call of `name` advances the fake clock by its next cost (the last one
+    repeats); `calls` counts them."""
+
+    def __init__(self, monkeypatch, costs: dict[str, list[float]]):
+        self.clock, self.costs, self.calls = FakeClock(), costs, dict.fromkeys(costs, 0)
+        monkeypatch.setattr(linear_choice, "clock", self.clock)
+
+    def runs(self):
+        def path(name):
+            def go():
+                self.clock.now += self.costs[name][min(self.calls[name], len(self.costs[name]) - 1)]
+                self.calls[name] += 1
+            return go
+        return {name: path(name) for name in self.costs}
+
+
+def test_time_paths_keeps_each_paths_best_round_and_bounds_the_rounds(monkeypatch):
+    paths = Paths(monkeypatch, {"slow": [3.0, 5.0, 7.0], "fast": [5.0, 6.0, 4.0]})  # warm-up, then rounds
+    seconds, spent = time_paths(paths.runs(), budget=0.0)
+    assert paths.calls == {"slow": 1 + MIN_ROUNDS, "fast": 1 + MIN_ROUNDS}  # expensive: the fewest rounds
+    assert seconds == {"slow": 5.0, "fast": 4.0}  # best round, the warm-up not counted
+    assert spent == 3 + 5 + 7 + 5 + 6 + 4
+    assert fastest(seconds) == "fast"
+    paths = Paths(monkeypatch, {"slow": [1e-6], "fast": [1e-6]})
+    time_paths(paths.runs(), budget=1.0)
+    assert paths.calls == {"slow": 1 + MAX_ROUNDS, "fast": 1 + MAX_ROUNDS}  # cheap: as many rounds as allowed
+
+
+def test_time_paths_drops_a_candidate_far_behind_twice(monkeypatch):
+    # warm-up, round 1, round 2: w_xt is 2.5x behind twice (out after round 1); f_linear only once (stays)
+    paths = Paths(monkeypatch, {"kernel": [1.0, 1.0, 0.75], "w_xt": [2.5, 2.75, 0.125], "f_linear": [4.0, 1.25, 2.0]})
+    seconds, _ = time_paths(paths.runs(), budget=0.0)
+    assert paths.calls == {"kernel": 1 + MIN_ROUNDS, "w_xt": 2, "f_linear": 1 + MIN_ROUNDS}
+    assert seconds == {"kernel": 0.75, "w_xt": 2.5, "f_linear": 1.25}  # dyadic costs: exact sums
+    paths = Paths(monkeypatch, {"kernel": [1.0], "w_xt": [2.5], "f_linear": [3.0]})  # one left: no more rounds
+    seconds, spent = time_paths(paths.runs(), budget=1e9)
+    assert paths.calls == dict.fromkeys(paths.costs, 2) and seconds == {"kernel": 1.0, "w_xt": 2.5, "f_linear": 3.0}
+    assert spent == 13.0
+
+
+def test_a_fast_path_must_beat_f_linear_by_the_margin_and_ties_go_to_the_first():
+    assert fastest({"kernel": 2.0, "w_xt": 2.0, "f_linear": 3.0}) == "kernel"
+    assert fastest({"kernel": 2.0, "w_xt": 1.0, "f_linear": 3.0}) == "w_xt"
+    assert fastest({"kernel": 0.96, "w_xt": 0.99, "f_linear": 1.0}) == "f_linear"  # within 5 %: F.linear stays
+    assert fastest({"kernel": 0.94, "w_xt": 0.99, "f_linear": 1.0}) == "kernel"
+    assert fastest({"kernel": 1.1, "w_xt": 1.2, "f_linear": 1.0}) == "f_linear"
+    assert fastest({"kernel": 1.0, "w_xt": 0.99}) == "w_xt"  # no baseline: the least time
+
+
+def test_buckets_cover_every_row_count_with_the_smallest_power_of_two_at_or_above_it():
+    assert [BUCKET_OF[m] for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 65, 128)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 128, 128]
+    assert BUCKETS[-1] == small_linear.KERNEL_MAX_ROWS == len(BUCKET_OF) - 1
+
+
+@pytest.mark.parametrize("winner", ["kernel", "w_xt", "f_linear"])
+def test_the_probe_picks_the_fastest_and_calls_then_run_only_it(monkeypatch, winner):
+    costs = {"kernel": 5e-3, "w_xt": 4e-3, "f_linear": 6e-3}
+    costs[winner] = 1e-3
+    fakes = Fakes(monkeypatch, costs)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(48, 40)
+    x = torch.randn(3, 48)
+    want = torch.nn.functional.linear(x, net.weight, net.bias)
+    torch.testing.assert_close(run(net, x), want, rtol=1e-5, atol=1e-5)
+    assert fakes.probes == 1
+    (entry,) = small_linear.small_linear_choices()
+    assert entry["path"] == winner and entry["shape"] == [40, 48] and entry["rows"] == 4 and entry["source"] == "probed"
+    assert entry["us"] == {name: cost * 1e6 for name, cost in costs.items()}
+    before = dict(fakes.calls)
+    for rows in (3, 4):  # the same bucket: no new probe, the winner only
+        torch.testing.assert_close(run(net, x[:rows]), want[:rows], rtol=1e-5, atol=1e-5)
+    assert fakes.probes == fakes.made == 1  # later calls found the choice with one lookup
+    assert {name: fakes.calls[name] - before[name] for name in costs} == {n: 2 * (n == winner) for n in costs}
+    assert f"40x48 float32 threads={torch.get_num_threads()}: 4 {winner}" in small_linear.small_linear_status()
+
+
+def test_choices_are_keyed_by_shape_bucket_and_thread_count(monkeypatch):
+    fakes = Fakes(monkeypatch, {"kernel": 2e-3, "w_xt": 1e-3, "f_linear": 3e-3})
+    torch.set_num_threads(1)
+    a, same_shape, other = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8), torch.nn.Linear(16, 12)
+    run(a, torch.randn(3, 16))
+    run(same_shape, torch.randn(4, 16))  # another layer, same shape and bucket
+    assert fakes.probes == 1
+    run(a, torch.randn(5, 16))  # bucket 8
+    run(other, torch.randn(3, 16))  # another shape
+    assert fakes.probes == 3
+    torch.set_num_threads(2)
+    run(a, torch.randn(3, 16))  # another thread count
+    assert fakes.probes == 4
+    run(a.double(), torch.randn(3, 16, dtype=torch.float64))  # not fp32: F.linear, nothing probed
+    run(a.float(), torch.randn(200, 16))  # beyond KERNEL_MAX_ROWS: F.linear, nothing probed
+    assert fakes.probes == 4
+    keys = sorted((e["shape"][0], e["rows"], e["threads"]) for e in small_linear.small_linear_choices())
+    assert keys == [(8, 4, 1), (8, 4, 2), (8, 8, 1), (12, 4, 1)]
+    assert set(TABLE.fast) == {Key((8, 16), torch.float32, 4, 1, True), Key((8, 16), torch.float32, 8, 1, True),
+                               Key((12, 16), torch.float32, 4, 1, True), Key((8, 16), torch.float32, 4, 2, True)}
+
+
+def test_the_probe_runs_the_buckets_row_count_and_draws_no_random_numbers(monkeypatch):
+    seen = []
+    fakes = Fakes(monkeypatch, {"kernel": 2e-3, "w_xt": 1e-3, "f_linear": 3e-3})
+    real = fakes.candidates
+    monkeypatch.setattr(small_linear, "candidates", lambda kernel: {
+        name: (lambda f: lambda rows, w, b: seen.append(rows.shape[0]) or f(rows, w, b))(f)
+        for name, f in real(kernel).items()})
+    net = torch.nn.Linear(16, 8)
+    x = torch.randn(2, 5, 16).transpose(0, 1)[:, 0]  # 5 rows, strided
+    state = torch.random.get_rng_state()
+    run(net, x)
+    assert torch.equal(state, torch.random.get_rng_state())
+    assert set(seen[:-1]) == {8} and seen[-1] == 5  # probed at the bucket's 8 rows, then the call's own 5
+
+
+def test_without_the_kernel_it_chooses_between_the_others(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_SMALL_GEMM", "0")
+    fakes = Fakes(monkeypatch, {"kernel": 1e-4, "w_xt": 3e-3, "f_linear": 2e-3})
+    net = torch.nn.Linear(16, 8)
+    x = torch.randn(2, 16)
+    torch.testing.assert_close(run(net, x), torch.nn.functional.linear(x, net.weight, net.bias))
+    (entry,) = small_linear.small_linear_choices()
+    assert entry["path"] == "f_linear" and set(entry["us"]) == {"w_xt", "f_linear"} and not entry["kernel_available"]
+    assert fakes.calls["kernel"] == 0
+    assert "(no native kernel: disabled by HF_PAGED_SMALL_GEMM=0)" in small_linear.small_linear_status()
+
+
+@pytest.mark.parametrize("setting, used", [("0", None), ("kernel", "kernel"), ("w_xt", "w_xt")])
+def test_the_environment_overrides_the_measurement(monkeypatch, setting, used):
+    monkeypatch.setenv("HF_PAGED_SMALL_LINEARS", setting)
+    fakes = Fakes(monkeypatch, {"kernel": 3e-3, "w_xt": 3e-3, "f_linear": 1e-3})  # measured: F.linear would win
+    calls = []
+    kernel = load_small_gemm()
+    real_kernel, real_w_xt = type(kernel).__call__, small_linear._w_xt
+    monkeypatch.setattr(type(kernel), "__call__", lambda self, *a: calls.append("kernel") or real_kernel(self, *a))
+    monkeypatch.setattr(small_linear, "_w_xt", lambda *a: calls.append("w_xt") or real_w_xt(*a))
+    net = torch.nn.Linear(16, 8)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(run(net, x), torch.nn.functional.linear(x, net.weight, net.bias))
+    assert fakes.probes == 0 and small_linear.small_linear_choices() == []
+    assert calls == ([used] if used else [])
+    assert small_linear.small_linear_status().startswith(
+        {"0": "off (HF_PAGED_SMALL_LINEARS=0)", "kernel": "native kernel (forced", "w_xt": "W @ x^T (forced"}[setting])
+    assert (SmallBatchLinears(net).modules == []) == (setting == "0")
+
+
+def test_an_unknown_setting_is_warned_about_and_measured(monkeypatch, caplog):
+    monkeypatch.setenv("HF_PAGED_SMALL_LINEARS", "fastest-please")
+    fakes = Fakes(monkeypatch, {"kernel": 3e-3, "w_xt": 1e-3, "f_linear": 2e-3})
+    run(torch.nn.Linear(16, 8), torch.randn(3, 16))
+    assert fakes.probes == 1 and "fastest-please" in caplog.text
+
+
+def test_two_threads_probe_a_key_once(monkeypatch):
+    fakes = Fakes(monkeypatch, {"kernel": 3e-3, "w_xt": 1e-3, "f_linear": 2e-3})
+    net = torch.nn.Linear(16, 8)
+    start = threading.Barrier(2)
+    fakes.barrier = threading.Barrier(2)  # both threads found no choice before either probes
+    errors = []
+
+    def work():
+        try:
+            start.wait()
+            run(net, torch.randn(3, 16))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert fakes.made == 2 and fakes.probes == len(small_linear.small_linear_choices()) == 1
+
+
+def test_choices_persist_on_disk_only_when_asked(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    fakes = Fakes(monkeypatch, {"kernel": 3e-3, "w_xt": 1e-3, "f_linear": 2e-3})
+    net = torch.nn.Linear(16, 8)
+    run(net, torch.randn(3, 16))
+    assert fakes.probes == 1 and not list((tmp_path / "cache").glob("*.json"))  # off by default: nothing written
+    TABLE.clear()
+    monkeypatch.setenv(linear_choice.CACHE_SWITCH, "1")
+    run(net, torch.randn(3, 16))
+    assert fakes.probes == 2
+    (saved,) = (tmp_path / "cache").glob("small_linear_choices_*.json")
+    assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
+    TABLE.clear()
+    fakes.costs.update(w_xt=9e-3)  # would change the choice, were it measured again
+    run(net, torch.randn(3, 16))
+    (entry,) = small_linear.small_linear_choices()
+    assert fakes.probes == 2 and entry["source"] == "disk" and entry["path"] == "w_xt"
+    TABLE.clear()
+    monkeypatch.setenv("HF_PAGED_SMALL_GEMM", "0")  # another key (no kernel): measured, then saved beside
+    load_small_gemm.cache_clear()
+    run(net, torch.randn(3, 16))
+    assert fakes.probes == 3 and small_linear.small_linear_choices()[0]["path"] == "f_linear"
+    assert len(saved.read_text().split("kernel=")) == 3
+    entry = "8x16 float32 rows<=4 threads=%d kernel=0" % torch.get_num_threads()
+    for probes, damaged in enumerate([{"path": "kernel", "seconds": {"w_xt": 1, "f_linear": 2}},  # not a candidate
+                                      {"path": "w_xt", "seconds": {"w_xt": "fast", "f_linear": 2}}, [], "w_xt"], 4):
+        saved.write_text(json.dumps({entry: damaged}))  # measured again, never trusted
+        TABLE.clear()
+        run(net, torch.randn(3, 16))
+        assert fakes.probes == probes
+
+
+def test_a_real_probe_picks_one_of_its_candidates_and_keeps_results():
+    """No timing asserted: only that a real probe (real clock, real products) ends in a valid, consistent choice."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 96)
+    x = torch.randn(6, 64)
+    torch.testing.assert_close(run(net, x), torch.nn.functional.linear(x, net.weight, net.bias), rtol=1e-5,
+                               atol=1e-5)
+    (entry,) = small_linear.small_linear_choices()
+    (choice,) = TABLE.choices.values()
+    assert entry["path"] == choice.path == fastest(choice.seconds)
+    assert set(entry["us"]) == {"kernel", "w_xt", "f_linear"} and entry["probe_ms"] > 0
+
+
+def test_a_call_that_chose_f_linear_runs_it_on_the_input_as_given(monkeypatch):
+    """F.linear chosen: later calls hand it their input directly (no reshape, no checks), any shape or autograd."""
+    monkeypatch.setattr(linear_choice, "time_paths", lambda runs: ({"kernel": 3.0, "w_xt": 2.0, "f_linear": 1.0}, 0.0))
+    net = torch.nn.Linear(16, 8)
+    x = torch.randn(2, 2, 16)
+    torch.testing.assert_close(run(net, x), torch.nn.functional.linear(x, net.weight, net.bias))
+    assert list(TABLE.fast.values()) == [torch.nn.functional.linear]
+    checks = []
+    takes = small_linear._kernel_takes
+    monkeypatch.setattr(small_linear, "_kernel_takes", lambda *a: checks.append(1) or takes(*a))
+    with SmallBatchLinears(net).active():
+        out = net(x.requires_grad_())
+        assert out.grad_fn is not None and torch.equal(out, torch.nn.functional.linear(x, net.weight, net.bias))
+    assert not checks  # F.linear needs none of the kernel's checks
+
+
+@pytest.mark.parametrize("winner", ["kernel", "w_xt", "f_linear"])
+def test_every_input_layout_gets_f_linears_shape_and_values(monkeypatch, winner):
+    costs = {"kernel": 5e-3, "w_xt": 4e-3, "f_linear": 6e-3}
+    costs[winner] = 1e-3
+    Fakes(monkeypatch, costs)
+    net = torch.nn.Linear(16, 8)
+    for x in (torch.randn(16), torch.randn(3, 4, 16), torch.randn(16, 3).t(), torch.randn(2, 32)[:, ::2]):
+        want = torch.nn.functional.linear(x, net.weight, net.bias)
+        got = run(net, x)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert {e["path"] for e in small_linear.small_linear_choices()} == {winner}

@@ -37,12 +37,17 @@ class KVGroup:
 
     def first_needed(self, position: int) -> int:
         """The first slot a query at `position` (or later) can read: 0 for full attention."""
-        first = 0
-        if self.window is not None:
-            first = max(position - self.window + 1, 0)
-        if self.chunk is not None:
-            first = max(first, position // self.chunk * self.chunk)
-        return first
+        return first_needed(position, self.window, self.chunk)
+
+
+def first_needed(position: int, window: int | None, chunk: int | None) -> int:
+    """The first slot a query at `position` (or later) reads through `window` and / or in chunks of `chunk`."""
+    first = 0
+    if window is not None:
+        first = max(position - window + 1, 0)
+    if chunk is not None:
+        first = max(first, position // chunk * chunk)
+    return first
 
 
 def plan_groups(kinds_of: dict[int, int | None | tuple]) -> tuple[KVGroup, ...]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from .block_pool import NULL_BLOCK, Block, BlockPool
-from .groups import KVGroup
+from .groups import KVGroup, first_needed
 from .hashing import hash_block
 from .prefix_hits import find_hits, group_key
 from .state import StateCheckpoints, StateSlots
@@ -378,8 +378,7 @@ class KVCacheManager:
             window, chunk = self.windows[g], self.chunks[g]
             if window is None and chunk is None:
                 continue
-            first = KVGroup((), window, chunk).first_needed(position)
-            count = first // self.block_size
+            count = first_needed(position, window, chunk) // self.block_size
             if self.enable_prefix_caching and not request.stale_kv:  # the last published block stays: the next one
                 count = min(count, request.num_published_blocks - 1)  # to publish chains to it (a stale one: none)
             if count <= 0:

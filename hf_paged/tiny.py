@@ -123,6 +123,10 @@ MIXED = {
     "cohere2": dict(layer_types=["sliding_attention"] * 3 + ["full_attention"], logit_scale=1.0),
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"] * 2, head_dim=16, num_local_experts=4,
                     num_experts_per_tok=2),
+    # sliding layers with twice the K/V heads of the full ones and V heads smaller than K heads (its own 1 : 4)
+    "mimo_v2_flash": dict(layer_types=["full_attention"] + ["sliding_attention"] * 4, head_dim=16, v_head_dim=8,
+                          mlp_layer_types=["dense"] + ["sparse"] * 4, n_routed_experts=4, num_experts_per_tok=2,
+                          moe_intermediate_size=32),
     # chunked attention (a query sees its own chunk of `window` tokens) between full layers, with NoPE
     "llama4_text": dict(layer_types=["chunked_attention", "full_attention"] * 2, head_dim=16, num_local_experts=2,
                         intermediate_size_mlp=128, no_rope_layers=[1, 0, 1, 0]),

@@ -41,12 +41,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write new tokens' K/V ([T, H_kv, D]) into their flat slots of the [num_blocks, block_size, H_kv, D] caches
     (quantized with the per-layer scales when the caches are fp8)."""
-    num_kv_heads, head_dim = key_cache.shape[-2:]
     for cache, new, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
         stored = quantize(new, cache.dtype, scale)
         if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel on CPU: move the bytes
             cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
-        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, stored)
+        if cache.is_contiguous():
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, stored)
+        else:  # a page of a layer smaller than the largest (kv/cache.py): pages strided by the largest
+            block_size = cache.shape[1]
+            cache[slot_mapping // block_size, slot_mapping % block_size] = stored
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -165,4 +168,7 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
 
 def _gather_rows(cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
     """The packed rows' K or V read back from their slots."""
-    return cache.view(-1, *cache.shape[2:])[metadata.slot_mapping]
+    if cache.is_contiguous():
+        return cache.view(-1, *cache.shape[2:])[metadata.slot_mapping]
+    slots, block_size = metadata.slot_mapping, cache.shape[1]
+    return cache[slots // block_size, slots % block_size]

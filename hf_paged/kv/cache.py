@@ -1,4 +1,11 @@
-"""The KV tensors: per layer, K and V shaped [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""The KV tensors: per layer, K and V shaped [num_blocks, block_size, kv_heads, head_size].
+
+A layer's K and V are stored with one head size, the larger of the two (a model whose V heads are smaller or larger
+than its K heads, e.g. mimo_v2_flash, stores the smaller zero-padded: attention over zero-padded heads is exact, see
+model/kv_shapes.py). Layers whose page shapes differ (mimo_v2_flash's sliding layers have twice the K/V heads of
+its full ones) view the same storage with their own shapes: a block id holds, per layer tensor, the largest page any
+layer needs, and a smaller layer's page is its first part (`KVCache._pages`: views strided by the largest page; of
+the attention backends only the torch one reads such strided pages, the others give way to it)."""
 from __future__ import annotations
 
 import hashlib
@@ -25,6 +32,9 @@ class KVCacheSpec:
     attention_layers: tuple[int, ...] | None = None
     # how the attention layers share block tables (kv/groups.py); None: one group of them all, full attention
     groups: tuple[KVGroup, ...] | None = None
+    # layer -> (K/V heads, size of K, size of V) as the layer produces them; a layer not named here: (num_kv_heads,
+    # head_dim, head_dim)
+    layer_shapes: dict[int, tuple[int, int, int]] | None = None
 
     @property
     def stored_layers(self) -> tuple[int, ...]:
@@ -45,10 +55,30 @@ class KVCacheSpec:
         """layer -> (its group, its tensor in the storage)."""
         return {layer: (g, i) for g, group in enumerate(self.kv_groups) for i, layer in enumerate(group.layers)}
 
+    def kv_shape(self, layer: int) -> tuple[int, int, int]:
+        """(heads, size of K, size of V) as layer `layer` produces them."""
+        shapes = self.layer_shapes or {}
+        return shapes.get(layer, (self.num_kv_heads, self.head_dim, self.head_dim))
+
+    def page_shape(self, layer: int) -> tuple[int, int]:
+        """(heads, head size) of layer `layer`'s stored K and V: the larger of its K and V sizes."""
+        heads, k_size, v_size = self.kv_shape(layer)
+        return heads, max(k_size, v_size)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every stored layer keeps pages of one shape (then each layer's K / V is a contiguous tensor)."""
+        return len({self.page_shape(layer) for layer in self.stored_layers}) <= 1
+
+    def page_elements(self, block_size: int) -> int:
+        """Elements of one layer's K (or V) page in a block id: the largest any stored layer needs."""
+        shapes = [self.page_shape(layer) for layer in self.stored_layers] or [(self.num_kv_heads, self.head_dim)]
+        return block_size * max(heads * size for heads, size in shapes)
+
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of one block id (K and V of `num_tensors` layers)."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_tensors * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_tensors * self.page_elements(block_size) * itemsize
 
     def blocks_for_layer_blocks(self, num_blocks: int) -> int:
         """Block ids holding the memory of `num_blocks` blocks of every stored layer (what `num_blocks` has always
@@ -68,13 +98,19 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (spec.num_tensors, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        if spec.uniform:  # [tensors, K | V, blocks, block_size, heads, head size]
+            first = spec.stored_layers[0] if spec.stored_layers else None
+            heads, size = spec.page_shape(first) if first is not None else (spec.num_kv_heads, spec.head_dim)
+            shape: tuple[int, ...] = (spec.num_tensors, 2, num_blocks, block_size, heads, size)
+        else:  # [tensors, K | V, blocks, elements of the largest page]: each layer views it with its own shape
+            shape = (spec.num_tensors, 2, num_blocks, spec.page_elements(block_size))
         self.storage = torch.empty(shape, dtype=spec.dtype, device=spec.device)
         self.key_caches: list[torch.Tensor | None] = [None] * spec.num_layers
         self.value_caches: list[torch.Tensor | None] = [None] * spec.num_layers
         self.layer_group: list[int] = [-1] * spec.num_layers  # layer -> its KV group (-1: keeps no K/V)
         for layer, (group, i) in spec.positions().items():
-            self.key_caches[layer], self.value_caches[layer] = self.storage[i, 0], self.storage[i, 1]
+            self.key_caches[layer], self.value_caches[layer] = (self._pages(self.storage[i, kind], layer)
+                                                                for kind in (0, 1))
             self.layer_group[layer] = group
         # fp8 caches: per-layer (k_scale, v_scale), fixed once by `set_scales` before the first K/V is stored (the
         # engine calibrates them at start, model/kv_calibration.py); unquantized caches: always (1.0, 1.0)
@@ -83,6 +119,14 @@ class KVCache:
         self._fingerprint: tuple[tuple, str] | None = None
         logger.info("hf_paged KV cache: %d blocks x %d tokens, %.1f MiB on %s", num_blocks, block_size,
                     self.storage.numel() * self.storage.element_size() / 2**20, spec.device)
+
+    def _pages(self, tensor: torch.Tensor, layer: int) -> torch.Tensor:
+        """`tensor` (one K or V of the storage) as layer `layer`'s pages [blocks, block_size, heads, head size]."""
+        if tensor.dim() == 4:
+            return tensor
+        heads, size = self.spec.page_shape(layer)
+        return tensor.as_strided((self.num_blocks, self.block_size, heads, size),
+                                 (tensor.stride(0), heads * size, size, 1), tensor.storage_offset())
 
     def set_scales(self, scales: list[tuple[float, float]]) -> None:
         """Fix an fp8 cache's per-layer (k_scale, v_scale): stored = value / scale, saturated to the fp8 range.

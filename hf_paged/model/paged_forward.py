@@ -10,6 +10,7 @@ import torch
 
 from ..attention import AttentionBackends, AttentionMetadata, LayerExtras, store_kv
 from ..kv import KVCache
+from .kv_shapes import cut_to_value, fit_to_pages, page_mismatch, record_kv_shapes
 from .switches import ThreadForward, switched_attention
 
 ATTENTION_NAME = "paged"
@@ -103,18 +104,18 @@ def attend_paged(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     if context.windows is not None:
         context.windows.append((layer, (sliding_window, extras.chunk_size if extras is not None else None)))
     cache = context.kv_cache
-    spec = cache.spec
-    if key.shape[1] != spec.num_kv_heads or key.shape[3] != spec.head_dim or value.shape[1:4:2] != key.shape[1:4:2]:
-        raise UnsupportedAttention(f"model type {_model_type(module)!r}: layer {layer} produces K/V with "
-                                   f"{key.shape[1]} / {value.shape[1]} heads of size {key.shape[3]} / "
-                                   f"{value.shape[3]}, but its KV cache holds {spec.num_kv_heads} heads of size "
-                                   f"{spec.head_dim} for both")
+    reason = page_mismatch(cache.spec, layer, key, value)
+    if reason is not None:
+        raise UnsupportedAttention(f"model type {_model_type(module)!r}: {reason}")
     meta = context.metadata_of(layer)
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    v_size = value.shape[3]
+    q, k, v, scaling = fit_to_pages(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                    scaling)
     scales = cache.scales_for(layer, k, v)
     store_kv(k, v, cache.key_caches[layer], cache.value_caches[layer], meta.slot_mapping, *scales)
-    return context.backends.attend(q, cache.key_caches[layer], cache.value_caches[layer], meta, scaling,
-                                   sliding_window, softcap, key=k, value=v, kv_scales=scales, extras=extras)
+    return cut_to_value(context.backends.attend(q, cache.key_caches[layer], cache.value_caches[layer], meta, scaling,
+                                                sliding_window, softcap, key=k, value=v, kv_scales=scales,
+                                                extras=extras), v_size)
 
 
 def _model_type(module) -> str:
@@ -338,18 +339,6 @@ def attention_implementation(configs: list, name: str):
         for p in patches:
             stack.enter_context(p.installed())
         yield
-
-
-def record_kv_shapes(module, query, key, value, attention_mask, *args, hf_paged_kv_shapes=None, **kwargs):
-    """An attention function that only records what each layer produces: {layer: (K heads, K size, V heads,
-    V size)} into the `hf_paged_kv_shapes` dict passed down the forward's keywords; returns zeros of the output's
-    shape. Used once per model by `spec.describe_model` (the KV cache is shaped by what the modules produce)."""
-    if hf_paged_kv_shapes is not None:
-        layer = getattr(module, "layer_idx", None)
-        hf_paged_kv_shapes[len(hf_paged_kv_shapes) if layer is None else layer] = (
-            key.shape[1], key.shape[3], value.shape[1], value.shape[3])
-    batch, num_heads, length, _ = query.shape
-    return query.new_zeros(batch, length, num_heads, value.shape[3]), None
 
 
 def self_attending_modules(model: torch.nn.Module) -> list:

@@ -8,6 +8,7 @@ import torch
 
 from ..kv import KVCacheSpec
 from .forward_lock import forward_lock
+from .kv_shapes import layer_shapes
 from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
                             self_attending_modules)
 from .state_continuation import continuation_modes
@@ -69,9 +70,9 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     if not num_layers or not hidden or not (num_heads or state):
         raise ValueError(f"model type {model_type!r} config lacks attention heads / layers / hidden size")
     param = next(model.parameters())
-    shape, configs, attention = _switched(model, [config] + ([text] if text is not config else []), model_type)
-    if shape is not None:
-        num_kv_heads, head_dim = shape
+    shapes, configs, attention = _switched(model, [config] + ([text] if text is not config else []), model_type)
+    if shapes:
+        num_kv_heads, head_dim, _ = shapes[min(shapes)]
     elif state and not attention:  # a stack of state layers only: the KV cache holds no layer
         num_kv_heads, head_dim = 1, 1
     else:  # the modules' attention did not run through the interface: the config's word (the start-up check decides)
@@ -86,7 +87,8 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     forward_params = inspect.signature(model.forward).parameters
     return ModelSpec(
         kv=KVCacheSpec(num_layers, num_kv_heads, head_dim, param.dtype, param.device,
-                       attention_layers=attention if state else None),
+                       attention_layers=attention if state else None,
+                       layer_shapes=shapes or None),
         max_model_len=getattr(text, "max_position_embeddings", None),
         vocab_size=text.vocab_size,
         accepts_logits_to_keep="logits_to_keep" in forward_params,
@@ -110,9 +112,9 @@ def _state_layers(model: torch.nn.Module, model_type: str) -> dict:
                          f"keep it through transformers' linear-attention cache calls") from e
 
 
-def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[tuple[int, int] | None, list, tuple]:
-    """(the modules' K/V shape or None, what `paged_attention_active` switches: the configs and any ModulePatches,
-    the layers whose attention went through the interface)."""
+def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[dict | None, list, tuple]:
+    """(the modules' K/V shapes {layer: (heads, K size, V size)} or None, what `paged_attention_active` switches:
+    the configs and any ModulePatches, the layers whose attention went through the interface)."""
     adapters = self_attending_modules(model)
     if adapters:  # their modules never read `_attn_implementation`: masks stay as HF builds them
         shape, configs, layers = None, [ModulePatches(model, adapters, [])], ()
@@ -123,13 +125,13 @@ def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[t
 
 
 def module_kv_shape(model: torch.nn.Module, configs: list,
-                    model_type: str) -> tuple[tuple[int, int] | None, list, tuple]:
-    """(K/V heads, head size) as the model's attention modules produce them, the configs to switch (with a
-    `ModulePatches` that hands the forward's keywords to attention modules when the model's layers drop them). Read
-    from one 2-token forward with an attention function that records the shapes (`record_kv_shapes`), kept on the
-    model; and the layers recorded. Shape None when no layer's attention ran through the interface (the config's
-    sizes are used, and the start-up check has the last word). Raises ValueError when layers differ, or V differs
-    from K: the paged cache holds one shape for every layer's K and V."""
+                    model_type: str) -> tuple[dict | None, list, tuple]:
+    """{layer: (K/V heads, K size, V size)} as the model's attention modules produce them, the configs to switch
+    (with a `ModulePatches` that hands the forward's keywords to attention modules when the model's layers drop
+    them). Read from one 2-token forward with an attention function that records the shapes (`record_kv_shapes`),
+    kept on the model; and the layers recorded. Shapes None when no layer's attention ran through the interface (the
+    config's sizes are used, and the start-up check has the last word). Layers may differ, and K from V in head size
+    (model/kv_shapes.py); raises ValueError when a layer's K and V differ in heads."""
     known = model.__dict__.get("_hf_paged_kv_shape")
     if known is None:
         found, injected = _recorded_shapes(model, configs), False
@@ -141,18 +143,12 @@ def module_kv_shape(model: torch.nn.Module, configs: list,
             model.__dict__["_hf_paged_kv_shape"] = known
     recorded, injected = known
     configs = configs + [_injector(model)] if injected else configs
-    found = sorted(set(recorded.values()))
-    if not found:
+    if not recorded:
         return None, configs, ()
-    if len(found) > 1:
-        raise ValueError(f"model type {model_type!r}: its layers produce K/V of different shapes (heads, size of K, "
-                         f"then of V): {found}; hf_paged's paged cache holds one shape for every layer")
-    k_heads, k_size, v_heads, v_size = found[0]
-    if (k_heads, k_size) != (v_heads, v_size):
-        raise ValueError(f"model type {model_type!r}: its attention produces K with {k_heads} heads of size {k_size} "
-                         f"but V with {v_heads} heads of size {v_size}; hf_paged's paged cache holds K and V of one "
-                         f"shape")
-    return (k_heads, k_size), configs, tuple(sorted(recorded))
+    shapes, reason = layer_shapes(recorded)
+    if reason is not None:
+        raise ValueError(f"model type {model_type!r}: {reason}")
+    return shapes, configs, tuple(sorted(recorded))
 
 
 def _injector(model: torch.nn.Module) -> ModulePatches:

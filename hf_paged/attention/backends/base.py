@@ -29,6 +29,7 @@ class AttentionBackend:
     fp8: ClassVar[bool] = False
     graph_capturable: ClassVar[bool] = False
     extras: ClassVar[frozenset] = frozenset()
+    strided_pages: ClassVar[bool] = False  # reads caches whose pages are strided apart (not contiguous: kv/cache.py)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -46,6 +47,9 @@ class AttentionBackend:
         if key_cache.element_size() == 1 and not self.fp8:
             return (f"the {self.name} backend does not read scaled fp8 caches ({key_cache.dtype}); "
                     "use the torch or triton backend")
+        if not self.strided_pages and not key_cache.is_contiguous():
+            return (f"the {self.name} backend reads contiguous pages only; this layer's pages are strided apart "
+                    f"(a model whose layers keep K/V of different shapes); the torch backend reads them")
         return self.layout_reason(query, key_cache, metadata, sliding_window, softcap)
 
     def layout_reason(self, query: torch.Tensor, key_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -86,6 +90,7 @@ class CallKind(NamedTuple):
     block_size: int
     cache_device: torch.device
     contiguous_heads: bool
+    contiguous_pages: bool
     has_prefills: bool
     has_decodes: bool
     windowed: bool
@@ -96,6 +101,7 @@ class CallKind(NamedTuple):
            sliding_window: int | None, softcap: float | None) -> "CallKind":
         return cls(query.device, query.dtype, key_cache.dtype, query.shape[1], query.shape[-1], key_cache.shape[2],
                    key_cache.shape[1], key_cache.device, query.stride(-1) == 1 and key_cache.stride(-1) == 1,
+                   key_cache.is_contiguous(),
                    metadata.max_query_len != 1, metadata.num_decode_groups > 0, bool(sliding_window), bool(softcap))
 
 

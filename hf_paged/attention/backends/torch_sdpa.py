@@ -17,6 +17,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
     fp8 = True
     extras = frozenset(EXTRA_NAMES)
+    strided_pages = True
 
     def __init__(self, native_decode: bool = False):
         self.native_decode = native_decode

@@ -16,7 +16,7 @@ spec.loader.exec_module(census)
     ("flint", "exact", ""),
     ("jetmoe", "exact", ""),  # K/V shapes read from what the modules produce, not config fields
     ("mimo_v2_flash", "exact", ""),  # layers with K/V of different shapes, V heads smaller than K heads
-    ("diffllama", "refused", "call attention 4 times"),  # differential attention
+    ("diffllama", "exact", ""),  # differential attention: two calls per layer, K/V stored by call
     ("llama4", "exact", ""),  # chunked attention layers
     ("bloom", "exact", ""),  # ALiBi, computed inside its attention modules
     ("mpt", "exact", ""),

@@ -264,10 +264,11 @@ class GenerateRun:
             self.streamed += 1
 
     def run(self, engine: Engine) -> None:
-        # the returned cache (not for a shared attention block: the engine stores its K/V by call order, HF's cache by
-        # the calling layer's index; the caller then gets no cache and a continuation recomputes)
+        # the returned cache (not when the engine stores K/V by attention call, HF's cache by the calling layer's
+        # index: a shared attention block, several calls per layer; the caller then gets no cache and a continuation
+        # recomputes)
         if self.config.return_dict_in_generate and self.config.use_cache is not False \
-                and not engine.spec.shared_attention:
+                and not engine.spec.kv.by_call:
             self.snapshots = KVSnapshots(engine.memory.cache, engine.scheduler.kv.states)  # the returned cache: rows' K/V kept as they finish
             self.block_size = engine.config.block_size
             engine.scheduler.release_hooks.append(self.snapshots.keep)

@@ -35,6 +35,9 @@ class KVCacheSpec:
     # layer -> (K/V heads, size of K, size of V) as the layer produces them; a layer not named here: (num_kv_heads,
     # head_dim, head_dim)
     layer_shapes: dict[int, tuple[int, int, int]] | None = None
+    # the stored "layers" are the attention calls of a forward in their order, not the modules' layer indices (a
+    # block shared by several layers: zamba; several calls per layer: diffllama; model/kv_shapes.number_calls)
+    by_call: bool = False
 
     @property
     def stored_layers(self) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """The K/V shapes a model's attention layers produce, and how each layer's K / V / queries are fitted to its pages.
 
-Read once per model from one 2-token forward through `record_kv_shapes`: {layer: (K heads, K size, V heads, V size)}.
+Read once per model from one 2-token forward through `record_kv_shapes`: {layer: (K heads, K size, V heads, V size)}
+(a "layer" of the KV cache is a call of the attention function: `number_calls`).
 Layers may differ (mimo_v2_flash: sliding layers have twice the K/V heads of full ones): each layer's pages take its
 own shape (kv/cache.py). K and V of one layer may differ in head size (mimo_v2_flash: K 192, V 128): its pages hold
 both at the larger size, the smaller zero-padded, and the query padded as K is. That is exact: a zero-padded K column
@@ -16,15 +17,26 @@ from ..kv import KVCacheSpec
 
 
 def record_kv_shapes(module, query, key, value, attention_mask, *args, hf_paged_kv_shapes=None, **kwargs):
-    """An attention function that only records what each layer produces: {layer: (K heads, K size, V heads,
-    V size)} into the `hf_paged_kv_shapes` dict passed down the forward's keywords; returns zeros of the output's
-    shape. Used once per model by `spec.describe_model` (the KV cache is shaped by what the modules produce)."""
+    """An attention function that only records what each call produces: (the module's layer index, (K heads, K size,
+    V heads, V size)) appended to the `hf_paged_kv_shapes` list passed down the forward's keywords; returns zeros of
+    the output's shape. Used once per model by `spec.describe_model` (the KV cache is shaped by what the modules
+    produce)."""
     if hf_paged_kv_shapes is not None:
-        layer = getattr(module, "layer_idx", None)
-        hf_paged_kv_shapes[len(hf_paged_kv_shapes) if layer is None else layer] = (
-            key.shape[1], key.shape[3], value.shape[1], value.shape[3])
+        hf_paged_kv_shapes.append((getattr(module, "layer_idx", None),
+                                   (key.shape[1], key.shape[3], value.shape[1], value.shape[3])))
     batch, num_heads, length, _ = query.shape
     return query.new_zeros(batch, length, num_heads, value.shape[3]), None
+
+
+def number_calls(calls: list[tuple[int | None, tuple]]) -> tuple[dict[int, tuple], bool]:
+    """({stored layer: shape}, by_call) from the calls `record_kv_shapes` saw in one forward. Each call's K/V is kept
+    under its module's layer index when every call has one of its own; otherwise (zamba: one attention block shared
+    by several layers, `layer_idx` None; diffllama: two calls per layer, with the same K and different V) under the
+    call's place in the forward, the same in every forward (`by_call`)."""
+    layers = [layer for layer, _ in calls]
+    if None not in layers and len(set(layers)) == len(layers):
+        return dict(calls), False
+    return {index: shape for index, (_, shape) in enumerate(calls)}, True
 
 
 def layer_shapes(recorded: dict[int, tuple[int, int, int, int]]) -> tuple[dict[int, tuple[int, int, int]], str | None]:

@@ -87,10 +87,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, *args, sc
 
 
 def _layer_of(module, context: PagedForwardContext) -> int:
-    """The layer whose K/V this call stores: the module's `layer_idx`, or for a block shared by several layers (zamba's)
-    the call's place in the forward, as `record_kv_shapes` numbered it (the same place in every forward)."""
+    """The layer whose K/V this call stores: the module's `layer_idx`, or for a model whose K/V are stored by call
+    (kv_shapes.number_calls) the call's place in the forward (the same place in every forward)."""
     layer = getattr(module, "layer_idx", None)
-    return context.num_calls if layer is None else layer
+    return context.num_calls if layer is None or context.kv_cache.spec.by_call else layer
 
 
 def attend_paged(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, context: PagedForwardContext,

@@ -8,7 +8,7 @@ import torch
 
 from ..kv import KVCacheSpec
 from .forward_lock import forward_lock
-from .kv_shapes import layer_shapes
+from .kv_shapes import layer_shapes, number_calls
 from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
                             self_attending_modules)
 from .state_continuation import continuation_modes
@@ -32,9 +32,6 @@ class ModelSpec:
     interface_layers: int = 0
     # state layers (linear attention, Mamba, short convolutions): {layer: the module holding its state}; {} for none
     state_layers: dict = None
-    # an attention module shared by several layers (zamba's, `layer_idx` None): its K/V are stored by call order
-    # (paged_forward._layer_of), not under the layer indices HF's cache uses
-    shared_attention: bool = False
 
     @property
     def has_state(self) -> bool:
@@ -70,7 +67,9 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     if not num_layers or not hidden or not (num_heads or state):
         raise ValueError(f"model type {model_type!r} config lacks attention heads / layers / hidden size")
     param = next(model.parameters())
-    shapes, configs, attention = _switched(model, [config] + ([text] if text is not config else []), model_type)
+    shapes, configs, (by_call, attention) = _switched(model, [config] + ([text] if text is not config else []),
+                                                      model_type)
+    num_layers = max(num_layers, len(attention)) if by_call else num_layers
     if shapes:
         num_kv_heads, head_dim, _ = shapes[min(shapes)]
     elif state and not attention:  # a stack of state layers only: the KV cache holds no layer
@@ -87,16 +86,14 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     forward_params = inspect.signature(model.forward).parameters
     return ModelSpec(
         kv=KVCacheSpec(num_layers, num_kv_heads, head_dim, param.dtype, param.device,
-                       attention_layers=attention if state else None,
-                       layer_shapes=shapes or None),
+                       attention_layers=attention if state or by_call else None,
+                       layer_shapes=shapes or None, by_call=by_call),
         max_model_len=getattr(text, "max_position_embeddings", None),
         vocab_size=text.vocab_size,
         accepts_logits_to_keep="logits_to_keep" in forward_params,
         configs=configs,
         interface_layers=len(attention),
         state_layers=state,
-        shared_attention=any(type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")
-                             and m.layer_idx is None for m in model.modules()),
     )
 
 
@@ -117,7 +114,7 @@ def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[d
     the configs and any ModulePatches, the layers whose attention went through the interface)."""
     adapters = self_attending_modules(model)
     if adapters:  # their modules never read `_attn_implementation`: masks stay as HF builds them
-        shape, configs, layers = None, [ModulePatches(model, adapters, [])], ()
+        shape, configs, layers = None, [ModulePatches(model, adapters, [])], (False, ())
     else:
         shape, configs, layers = module_kv_shape(model, configs, model_type)
     positioned = position_takers(model)
@@ -125,7 +122,7 @@ def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[d
 
 
 def module_kv_shape(model: torch.nn.Module, configs: list,
-                    model_type: str) -> tuple[dict | None, list, tuple]:
+                    model_type: str) -> tuple[dict | None, list, tuple[bool, tuple]]:
     """{layer: (K/V heads, K size, V size)} as the model's attention modules produce them, the configs to switch
     (with a `ModulePatches` that hands the forward's keywords to attention modules when the model's layers drop
     them). Read from one 2-token forward with an attention function that records the shapes (`record_kv_shapes`),
@@ -138,17 +135,18 @@ def module_kv_shape(model: torch.nn.Module, configs: list,
         if not found:  # maybe its layers drop the forward's keywords: hand them down
             found = _recorded_shapes(model, configs + [_injector(model)])
             injected = bool(found)
-        known = (found or {}, injected)
+        known = (found or [], injected)
         if found is not None:  # a forward that failed (maybe passingly) is not kept
             model.__dict__["_hf_paged_kv_shape"] = known
-    recorded, injected = known
+    calls, injected = known
     configs = configs + [_injector(model)] if injected else configs
-    if not recorded:
-        return None, configs, ()
+    if not calls:
+        return None, configs, (False, ())
+    recorded, by_call = number_calls(calls)
     shapes, reason = layer_shapes(recorded)
     if reason is not None:
         raise ValueError(f"model type {model_type!r}: {reason}")
-    return shapes, configs, tuple(sorted(recorded))
+    return shapes, configs, (by_call, tuple(sorted(recorded)))
 
 
 def _injector(model: torch.nn.Module) -> ModulePatches:
@@ -156,10 +154,10 @@ def _injector(model: torch.nn.Module) -> ModulePatches:
 
 
 @torch.inference_mode()
-def _recorded_shapes(model: torch.nn.Module, configs: list) -> dict | None:
-    """{layer: (K heads, K size, V heads, V size)} as the layers recorded them in one 2-token forward ({} if none
-    did, None if the forward failed)."""
-    shapes: dict = {}
+def _recorded_shapes(model: torch.nn.Module, configs: list) -> list | None:
+    """[(layer index, (K heads, K size, V heads, V size))] as the attention calls of one 2-token forward recorded them
+    ([] if none did, None if the forward failed)."""
+    shapes: list = []
     device = next(model.parameters()).device
     try:
         with forward_lock(model), attention_implementation(configs, SHAPES_NAME):

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import torch
 
-from .distributed import World, gather_in_order, plan_processes
+from .distributed import World, gather_in_order, plan_processes, split_world
 from .engine import Engine
 from .engine.intake import (as_params, as_params_list, as_priorities, as_priority, as_prompt_list, check_request,
                             prompt_text)
@@ -24,10 +24,14 @@ class LLM:
     `generate(..., cache_config={...})` (see `EngineConfig`).
 
     Under `torchrun` / `accelerate launch` (torch.distributed initialized, or WORLD_SIZE > 1) `generate` is data
-    parallel: every process serves every world_size-th prompt and every process returns all outputs, in input order;
-    without a pool size each process of a host takes its share of the default KV budget. `data_parallel=False` makes
-    each process run every prompt it is given. A model loaded with transformers' `tp_plan="auto"` is tensor parallel
-    instead: every process runs every prompt on its share of the model, in lockstep (see `hf_paged.distributed`).
+    parallel, and every process must call it (each call starts with one collective): when every process passed the
+    same prompts and parameters, each serves every world_size-th prompt and every process returns all outputs, in
+    input order; when they differ (e.g. accelerate's `with state.split_between_processes(prompts) as mine:
+    llm.generate(mine)`, also with an uneven or empty share), each process serves exactly its own prompts and returns
+    their outputs, in its input order. Without a pool size each process of a host takes its share of the default KV
+    budget. `data_parallel=False` opts out (no collective: each process runs every prompt it is given). A model
+    loaded with transformers' `tp_plan="auto"` is tensor parallel instead: every process runs every prompt on its
+    share of the model, in lockstep (see `hf_paged.distributed`).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, *, data_parallel: bool = True, **options):
@@ -130,7 +134,7 @@ class LLM:
     def _queue_claimed(self, prompts, sampling_params, priority) -> tuple[list[RequestGroup], set[str]]:
         """Queue a call's prompts and claim them at once (no `step` caller in another thread sees them unclaimed)."""
         with self.engine.lock:
-            groups, _ = self._queue(prompts, sampling_params, priority)
+            groups = self._add(self._validated(prompts, sampling_params, priority)[0])
             return groups, self._claim(groups)
 
     def _claim(self, groups: list[RequestGroup]) -> set[str]:
@@ -203,13 +207,14 @@ class LLM:
         """Outputs in input order. Every prompt and its parameters are validated before any work starts: a bad one
         raises ValueError (InputTypeError, also a TypeError, for a wrong type) naming it ("request 2: ...") and nothing
         is queued. `sampling_params`: None, one SamplingParams (or dict of its fields) for all, or one per prompt.
-        In a multi-process run this process runs its share and the outputs of all are gathered (see the class)."""
-        world = self.world
+        In a multi-process run, the same prompts on every process are split and gathered; different prompts are each
+        process's own (see the class)."""
+        batch, world = split_world(self.world, lambda: self._validated(prompts, sampling_params, priority))
         with self.engine.lock:  # queued and claimed at once: no `step` caller in another thread sees them unclaimed
-            groups, count = self._queue(prompts, sampling_params, priority, world)
+            groups = self._add(batch, world)
             self._claim(groups)
         try:
-            finished = self._run(groups, use_tqdm and world.rank == 0)
+            finished = self._run(groups, use_tqdm and self.world.rank == 0)
         except BaseException:
             for group in groups:  # an exception (or Ctrl-C) leaves none of this call's requests behind
                 self.engine.abort(group.request_id)
@@ -217,12 +222,11 @@ class LLM:
         finally:
             self._claimed.difference_update(group.request_id for group in groups)
         mine = [(group.index, finished[group.request_id]) for group in groups]
-        return gather_in_order(world, mine, count) if world.is_parallel else [out for _, out in mine]
+        return gather_in_order(world, mine, len(batch.prompts)) if world.is_parallel else [out for _, out in mine]
 
-    def _queue(self, prompts, sampling_params, priority, world: World | None = None) -> tuple[list[RequestGroup], int]:
-        """Validate every prompt, then queue them (in a multi-process `world`, only this process's share, with the
-        ids a single process would give them). On any error nothing of this call stays queued.
-        Returns the queued groups and the number of prompts."""
+    def _validated(self, prompts, sampling_params, priority) -> tuple["_Batch", tuple]:
+        """One call's prompts, every one validated (ValueError / InputTypeError naming the first bad one), and what
+        identifies them for `split_world` (token ids, texts, parameters, priorities)."""
         prompts = as_prompt_list(prompts)
         params_list = as_params_list(sampling_params, len(prompts))
         priorities = as_priorities(priority, len(prompts))
@@ -232,19 +236,28 @@ class LLM:
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             tokenized.append(engine.tokenize(prompt, i))
             check_request(engine.limits, i, tokenized[-1], params, has_tokenizer=has_tokenizer)
+        batch = _Batch(prompts, params_list, priorities, tokenized)
+        return batch, (len(prompts), tokenized, [prompt_text(p) for p in prompts], params_list, priorities)
+
+    def _add(self, batch: "_Batch", world: World | None = None) -> list[RequestGroup]:
+        """Queue a validated call (in a multi-process `world`, only this process's share, with the ids a single
+        process would give them). On any error nothing of this call stays queued. Returns the queued groups."""
+        engine = self.engine
         parallel = world is not None and world.is_parallel
-        ids = engine.new_request_ids(len(prompts)) if parallel else [None] * len(prompts)
+        count = len(batch.prompts)
+        ids = engine.new_request_ids(count) if parallel else [None] * count
         groups: list[RequestGroup] = []
         try:
-            for i, (token_ids, params) in enumerate(zip(tokenized, params_list)):
+            for i, (token_ids, params) in enumerate(zip(batch.token_ids, batch.params)):
                 if not parallel or world.owns(i):
-                    groups.append(engine.add_request(token_ids, params, index=i, prompt_text=prompt_text(prompts[i]),
-                                                     priority=priorities[i], request_id=ids[i]))
+                    groups.append(engine.add_request(token_ids, params, index=i, request_id=ids[i],
+                                                     prompt_text=prompt_text(batch.prompts[i]),
+                                                     priority=batch.priorities[i]))
         except BaseException:
             for group in groups:
                 engine.abort(group.request_id)
             raise
-        return groups, len(prompts)
+        return groups
 
     def _run(self, groups: list[RequestGroup], use_tqdm: bool) -> dict[str, RequestOutput]:
         """Step until every one of `groups` has finished (other callers' requests progress too, and go to them).
@@ -337,6 +350,16 @@ class _AsyncDriver:
         ones had theirs routed first) are told so instead of waiting forever."""
         for request_id in [r for r in self.queues if r not in llm.engine.groups]:
             self.queues.pop(request_id).put_nowait(_Gone(request_id))
+
+
+@dataclass(slots=True, frozen=True)
+class _Batch:
+    """One call's validated prompts: as given, their parameters, priorities and token ids (one of each per prompt)."""
+
+    prompts: list
+    params: list[SamplingParams]
+    priorities: list[int]
+    token_ids: list[list[int]]
 
 
 @dataclass(slots=True, frozen=True)

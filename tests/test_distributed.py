@@ -91,13 +91,14 @@ def ranks(tmp_path_factory):
             for r in range(2)}
 
 
-def torchrun(out_dir: Path) -> None:
+def torchrun(out_dir: Path, script: str = __file__) -> None:
+    """`script OUT_DIR` on 2 CPU processes under torchrun; fails unless both exit 0 (a clean exit, too)."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR")}
     # HF_PAGED_SMALL_LINEARS=0: model/small_linear.py's CPU matmul swap does not handle DTensor (tp_plan) weights yet
     env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", HF_PAGED_SMALL_LINEARS="0", PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).parent), str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(out_dir)], env=env, capture_output=True, text=True, timeout=300)
+                           script, str(out_dir)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -12,8 +12,10 @@ with a one-line warning saying why.
 What the engine path reproduces: greedy decoding (token for token; HF's batches are left padded and padding does not
 change a row's greedy tokens) and sampling with temperature / top-k / top-p / min-p (the same distribution; random
 draws differ from HF's, as they already differ between HF batch sizes), `max_new_tokens`, EOS ids,
-`num_return_sequences`. Under `torchrun` / `accelerate launch` each process serves every `world_size`-th input and
-every process returns all outputs in input order.
+`num_return_sequences`. Under `torchrun` / `accelerate launch` (every process must make the call) the inputs are
+read at once and the processes compare digests of them: the same inputs everywhere -> each process serves every
+`world_size`-th input and every process returns all outputs in input order; different inputs (accelerate's
+`split_between_processes`) -> each process serves and returns exactly its own.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from ..config import EngineConfig, logger
-from ..distributed import gather_in_order, plan_processes
+from ..distributed import gather_in_order, plan_processes, split_world
 from ..engine import Engine
 from ..request import RequestGroup
 from ..sampling import SamplingParams
@@ -184,17 +186,23 @@ def _finish(pipe, engine: Engine, model_inputs: dict, group: RequestGroup | None
 
 
 def paged_outputs(pipe, inputs, plan: EnginePlan, preprocess_params: dict, postprocess_params: dict) -> Iterator[Any]:
-    """The pipeline's outputs for `inputs`, in input order, from one engine run (this process's share of it in a
-    multi-process run, whose results are then gathered on every process)."""
+    """The pipeline's outputs for `inputs`, in input order, from one engine run (in a multi-process run where every
+    process passed the same inputs, this process's share of it, whose results are then gathered on every process)."""
     world, options = plan_processes(pipe.model, plan.options, pipe.model.device)
+    if world.is_parallel:  # read at once: split only if every process passed the same inputs and options
+        def read():
+            items = list(_items(inputs))
+            return items, (len(items), items, plan.params, preprocess_params, postprocess_params)
+
+        inputs, world = split_world(world, read)
     engine = Engine(pipe.model, None, EngineConfig.from_dict(options))
-    items = world.shard(_items(inputs)) if world.is_parallel else enumerate(_items(inputs))
+    items = world.shard(inputs) if world.is_parallel else enumerate(_items(inputs))
     results = run_on_engine(pipe, engine, items, plan, preprocess_params, postprocess_params)
     if not world.is_parallel:
         for _, output in results:
             yield output
         return
-    yield from gather_in_order(world, list(results))
+    yield from gather_in_order(world, list(results), len(inputs))
 
 
 def paged_get_iterator(original, pipe, inputs, num_workers, batch_size, preprocess_params, forward_params,

@@ -1,5 +1,6 @@
 """The one place hf_paged changes transformers: attention registration, the `generate` take-over, the
-text-generation pipeline's `get_iterator` (one engine run per pipeline call) and the `PreTrainedConfig.
+text-generation pipeline's `get_iterator` (one engine run per pipeline call), the continuous-batching entry points
+(`init_continuous_batching`: integrations/cb_manager.py) and the `PreTrainedConfig.
 _attn_implementation` getter (it answers first from the running thread's switches: model/switches.py).
 Version-checked and reversible (`enable()` runs on import; `disable()` restores everything)."""
 from __future__ import annotations
@@ -47,6 +48,7 @@ def enable() -> None:
     GenerationMixin.generate = generate
     _patched["generate"] = original
     _patch_pipeline()
+    _patch_continuous_batching()
     switches.set_installer(_thread_local_config_class)
 
 
@@ -106,6 +108,38 @@ def _unpatch_pipeline() -> None:
         TextGenerationPipeline.get_iterator = own
 
 
+def _patch_continuous_batching() -> None:
+    """`ContinuousMixin.init_continuous_batching` (behind `generate_batch` and `continuous_batching_context_manager`)
+    and `destroy_cached_continuous_batching_manager` -> hf_paged's manager (integrations/cb_manager.py)."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    from .cb_manager import paged_destroy_cached, paged_init_continuous_batching
+
+    init, destroy = ContinuousMixin.init_continuous_batching, ContinuousMixin.destroy_cached_continuous_batching_manager
+
+    @functools.wraps(init)
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None):
+        return paged_init_continuous_batching(init, self, generation_config, continuous_batching_config,
+                                              workload_hints)
+
+    @functools.wraps(destroy)
+    def destroy_cached_continuous_batching_manager(self):
+        return paged_destroy_cached(destroy, self)
+
+    ContinuousMixin.init_continuous_batching = init_continuous_batching
+    ContinuousMixin.destroy_cached_continuous_batching_manager = destroy_cached_continuous_batching_manager
+    _patched["continuous_batching"] = (init, destroy)
+
+
+def _unpatch_continuous_batching() -> None:
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    if "continuous_batching" in _patched:
+        init, destroy = _patched.pop("continuous_batching")
+        ContinuousMixin.init_continuous_batching = init
+        ContinuousMixin.destroy_cached_continuous_batching_manager = destroy
+
+
 def disable() -> None:
     """Undo `enable()`: transformers behaves exactly as without hf_paged."""
     if not _patched:
@@ -115,6 +149,7 @@ def disable() -> None:
     switches.set_installer(None)  # engines now raise HfPagedDisabled, naming hf_paged.enable()
     GenerationMixin.generate = _patched.pop("generate")
     _unpatch_pipeline()
+    _unpatch_continuous_batching()
     _unpatch_config_classes()
     paged_model.unregister()
     fingerprint.uninstall()

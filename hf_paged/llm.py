@@ -108,6 +108,14 @@ class LLM:
         changes it cannot see (writes through `.data`, patched code)."""
         self.engine.reset_prefix_cache()
 
+    def sleep(self) -> None:
+        """Give the KV cache's memory back while no request runs (e.g. between RL rollouts, so training gets the
+        device's memory); the next `generate` / `step` takes it again (or `wake_up`). Forgets cached prefixes."""
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     # streaming ------------------------------------------------------------------------------------
     def stream(self, prompts: str | Sequence, sampling_params: SamplingParams | dict | Sequence | None = None,
                *, priority: Sequence[int] | None = None) -> Iterator[RequestOutput]:

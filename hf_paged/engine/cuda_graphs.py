@@ -9,13 +9,10 @@ What is captured
     without graphs.
 
 Static buffers (`StaticDecodeBatch`)
-    All the captured forward reads sits at fixed addresses: one int64 staging buffer on the device laid out
-    [input ids | positions | context lengths | slots per KV group | block tables (max_batch x max_blocks) per KV
-    group], with every bucket's
-    tensors as views at fixed offsets. Per step the host fills a pinned twin and ONE copy moves the used prefix; inside
-    the graph the tables and context lengths are cast to the int32 the kernels read. Tables are `max_blocks` wide:
-    max_model_len, at most MAX_GRAPH_CONTEXT tokens (vLLM's max_seq_len_to_capture idea: the pinned context bounds
-    the kernels' partition temporaries), so no table ever changes shape.
+    What the captured forward reads sits at fixed addresses: one int64 device buffer [input ids | positions | context
+    lengths | slots per KV group | tables (max_batch x max_blocks) per KV group], buckets' tensors views into it. Per step the host fills a pinned twin, ONE copy moves the
+    used prefix; inside the graph tables and context lengths are cast to int32. Tables are `max_blocks` wide
+    (max_model_len, at most MAX_GRAPH_CONTEXT tokens: the pinned context bounds the kernels' temporaries).
 
 Padding never touches a request's KV
     A padding row is token 0 at position 0 with context length 1; its slot is slot 0 of `padding_block` and its table
@@ -388,6 +385,11 @@ class DecodeGraphRunner:
             return None
         self.captured[batch.size] = graph
         return graph
+
+    def forget(self) -> None:
+        """Drop the captured graphs and their pool (they hold the KV cache's addresses); buckets capture again."""
+        self.captured.clear()
+        self.pool = self.stream = None
 
     def stats(self) -> dict:
         return {"graph_buckets": self.buckets, "graphs_captured": sorted(self.captured),

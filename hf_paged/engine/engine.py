@@ -218,6 +218,8 @@ class Engine:
                 raise RuntimeError("Engine.step called from inside a step of the same thread")
             self._in_step = True
             try:
+                if self.memory.cache.released:
+                    self.memory.wake_up()
                 return self._step()
             finally:
                 self._in_step = False
@@ -256,6 +258,35 @@ class Engine:
             self.sampler.generator.set_state(rng)
             raise
         return changed
+
+    # ---- memory between uses ------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Give the KV pool's memory (and the state slots') back until the next step or `wake_up`: for training and
+        generation taking turns on one device (RL). Needs an idle engine (RuntimeError otherwise); every cached
+        prefix is forgotten, captured CUDA graphs are dropped (they hold the pool's addresses)."""
+        with self.lock:
+            scheduler = self.scheduler
+            if scheduler.has_work:
+                raise RuntimeError(f"sleep() needs an idle engine: {len(scheduler.running)} running, "
+                                   f"{len(scheduler.waiting)} waiting requests (finish or abort them first)")
+            scheduler.set_context(object())  # nothing computed so far is found again (checkpoints cleared too)
+            kv = scheduler.kv
+            if kv.states is not None:
+                kv.states.release()
+            if kv.checkpoints is not None:
+                kv.checkpoints.store.tensors.clear()
+            if self.runner.graphs is not None:
+                self.runner.graphs.forget()
+            self.memory.sleep()
+
+    def wake_up(self) -> None:
+        """Take the pool's memory again (`step` does this by itself when needed)."""
+        with self.lock:
+            self.memory.wake_up()
+
+    @property
+    def asleep(self) -> bool:
+        return self.memory.cache.released
 
     def kv_context(self) -> tuple:
         """Everything besides tokens, positions and salt that decides the K/V this engine computes: the weights and

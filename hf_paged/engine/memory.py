@@ -115,6 +115,19 @@ class KVMemory:
         else:
             storage[:, :, torch.tensor(block_ids, device=storage.device)] = 0
 
+    def sleep(self) -> None:
+        """Give the KV pool's memory back (the engine holds no K/V it will read again); the host swap space stays."""
+        self.cache.release()
+        if self.cache.spec.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Take the pool's memory again; the null block holds zeros again (every other block is cleared when handed
+        out)."""
+        if self.cache.released:
+            self.cache.restore()
+            self.cache.storage[:, :, NULL_BLOCK].zero_()
+
     @property
     def num_swap_blocks_free(self) -> int:
         return self.swap.num_free if self.swap is not None else 0

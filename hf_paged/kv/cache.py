@@ -101,6 +101,19 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._allocate()
+        self.released = False  # `release` gave the memory back
+        # fp8 caches: per-layer (k_scale, v_scale), fixed once by `set_scales` before the first K/V is stored (the
+        # engine calibrates them at start, model/kv_calibration.py); unquantized caches: always (1.0, 1.0)
+        self.quantized = self.storage.element_size() == 1
+        self.kv_scales: list[tuple[float, float] | None] = [None if self.quantized else (1.0, 1.0)] * spec.num_layers
+        self._fingerprint: tuple[tuple, str] | None = None
+        logger.info("hf_paged KV cache: %d blocks x %d tokens, %.1f MiB on %s", num_blocks, self.block_size,
+                    self.num_bytes / 2**20, spec.device)
+
+    def _allocate(self) -> None:
+        """The storage and every layer's view of it (contents undefined)."""
+        spec, num_blocks, block_size = self.spec, self.num_blocks, self.block_size
         if spec.uniform:  # [tensors, K | V, blocks, block_size, heads, head size]
             first = spec.stored_layers[0] if spec.stored_layers else None
             heads, size = spec.page_shape(first) if first is not None else (spec.num_kv_heads, spec.head_dim)
@@ -115,13 +128,20 @@ class KVCache:
             self.key_caches[layer], self.value_caches[layer] = (self._pages(self.storage[i, kind], layer)
                                                                 for kind in (0, 1))
             self.layer_group[layer] = group
-        # fp8 caches: per-layer (k_scale, v_scale), fixed once by `set_scales` before the first K/V is stored (the
-        # engine calibrates them at start, model/kv_calibration.py); unquantized caches: always (1.0, 1.0)
-        self.quantized = self.storage.element_size() == 1
-        self.kv_scales: list[tuple[float, float] | None] = [None if self.quantized else (1.0, 1.0)] * spec.num_layers
-        self._fingerprint: tuple[tuple, str] | None = None
-        logger.info("hf_paged KV cache: %d blocks x %d tokens, %.1f MiB on %s", num_blocks, block_size,
-                    self.storage.numel() * self.storage.element_size() / 2**20, spec.device)
+
+    def release(self) -> None:
+        """Give the memory back (the tensors become empty; every layer's view None): `restore` takes it again, with
+        undefined contents. Whoever releases must hold no K/V it will read again (an idle engine, no prefix cache)."""
+        self.storage = self.storage.new_empty(0)
+        self.key_caches = [None] * self.spec.num_layers
+        self.value_caches = [None] * self.spec.num_layers
+        self.released = True
+
+    def restore(self) -> None:
+        """Allocate the memory `release` gave back (same shapes, undefined contents)."""
+        if self.released:
+            self._allocate()
+            self.released = False
 
     def _pages(self, tensor: torch.Tensor, layer: int) -> torch.Tensor:
         """`tensor` (one K or V of the storage) as layer `layer`'s pages [blocks, block_size, heads, head size]."""

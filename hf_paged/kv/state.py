@@ -49,6 +49,12 @@ class StateSlots:
             raise ValueError(f"state slot {slot} is not held")
         self._free.append(slot)
 
+    def release(self) -> None:
+        """Give the tensors' memory back; they are made again at the next write. Only with every slot free (no
+        sequence's state is read again)."""
+        self.check_all_free()
+        self.tensors.clear()
+
     def check_all_free(self) -> None:
         if len(self._free) != self.capacity:
             raise AssertionError(f"{self.num_used} state slots still held")

@@ -24,12 +24,13 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
 
 from ..config import logger
-from .cb_params import engine_options, reason_to_decline, sampling_params
+from .cb_params import REQUEST_KEYWORD_TYPES, engine_options, reason_to_decline, sampling_params
 
 CACHE_ATTRIBUTE = "_cached_continuous_batching_manager"  # where transformers keeps a persistent manager
 
@@ -64,7 +65,19 @@ class PagedBatchingManager:
         self._counter = 0
         self._counter_lock = threading.Lock()
         self._live: dict[str, dict] = {}  # engine request id -> what its outputs need (background thread only)
-        self.fatal_error: BaseException | None = None
+        # what transformers' serving code reads from its manager: the per-request keywords and their types, the
+        # status holding a fatal error, and its batch processor (None: the server then reports no KV usage)
+        self.logit_processor = SimpleNamespace(supported_keys=dict(REQUEST_KEYWORD_TYPES), do_processing=True)
+        self.background_thread_status = SimpleNamespace(fatal_error=None)
+        self.batch_processor = None
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        return self.background_thread_status.fatal_error
+
+    @fatal_error.setter
+    def fatal_error(self, error: BaseException | None) -> None:
+        self.background_thread_status.fatal_error = error
 
     # ---- control ---------------------------------------------------------------------------------------------
     def _ensure_llm(self):

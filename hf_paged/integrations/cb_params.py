@@ -13,6 +13,8 @@ KNOWN_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWa
 # per-request keywords of transformers' continuous-batching processors that map onto SamplingParams fields
 REQUEST_KEYWORDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
                     "repetition_penalty": "repetition_penalty"}
+REQUEST_KEYWORD_TYPES = {"temperature": float, "top_k": int, "top_p": float, "min_p": float,
+                         "repetition_penalty": float}
 
 
 def reason_to_decline(model, generation_config, cb_config) -> str | None:

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import torch
 
+from .chat import as_conversations, chat_prompts
 from .distributed import World, gather_in_order, plan_processes, split_world
 from .engine import Engine
 from .engine.intake import (as_params, as_params_list, as_priorities, as_priority, as_prompt_list, check_request,
@@ -231,6 +232,17 @@ class LLM:
             self._claimed.difference_update(group.request_id for group in groups)
         mine = [(group.index, finished[group.request_id]) for group in groups]
         return gather_in_order(world, mine, len(batch.prompts)) if world.is_parallel else [out for _, out in mine]
+
+    def chat(self, messages: Sequence, sampling_params: SamplingParams | dict | Sequence | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """`generate` for chat conversations (vLLM's `LLM.chat`): `messages` is one conversation (a list of
+        {"role", "content"} dicts) or a list of them; each is rendered with the tokenizer's chat template (or
+        `chat_template`), then generated as `generate` does. One output per conversation, in input order."""
+        prompts = chat_prompts(self.engine.tokenizer, as_conversations(messages), chat_template,
+                               add_generation_prompt, continue_final_message, tools, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _validated(self, prompts, sampling_params, priority) -> tuple["_Batch", tuple]:
         """One call's prompts, every one validated (ValueError / InputTypeError naming the first bad one), and what

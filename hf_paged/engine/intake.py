@@ -129,6 +129,9 @@ def tokenize(tokenizer: Any, prompt: Any, index: int) -> list[int]:
         raise InputTypeError(f"request {index}: a prompt must be a string or a list of token ids, got "
                              f"{type(prompt).__name__}")
     for position, token in enumerate(prompt):
+        if isinstance(token, dict) and "role" in token:
+            raise InputTypeError(f"request {index}: this prompt is a chat conversation (message dicts); use "
+                                 f"LLM.chat(messages) for conversations")
         if not is_integer(token):
             raise InputTypeError(f"request {index}: token ids must be integers; position {position} holds "
                                  f"{type(token).__name__} {token!r}")

@@ -127,9 +127,16 @@ def generate_batch_runner(model, sized: bool = False):
         # sized: just enough 256-token pages for the workload instead of HF's default (a share of host RAM)
         pages = sum(-(-(len(p) + max_tokens) // 256) for p in prompts) + 1
         config, cb = generate_batch_configs(max_tokens, pages if sized else None)
-        # warmup=False: on CPU it only pre-runs dummy max-size batches (no CUDA graphs); the worker warms up itself
-        outputs = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
-                                       progress_bar=False, warmup=False)
+        # warmup=False: on CPU it only pre-runs dummy max-size batches (no CUDA graphs); the worker warms up itself.
+        # hf_paged disabled: with it, generate_batch runs on hf_paged's engine (integrations/cb_manager.py)
+        import hf_paged
+
+        hf_paged.disable()
+        try:
+            outputs = model.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=cb,
+                                           progress_bar=False, warmup=False)
+        finally:
+            hf_paged.enable()
         if len(outputs) != len(prompts):
             raise RuntimeError(f"generate_batch returned {len(outputs)} results for {len(prompts)} prompts")
         return [list(o.generated_tokens) for o in outputs.values()]

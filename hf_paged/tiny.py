@@ -70,7 +70,7 @@ _LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_
                head_dim=16)
 _MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16)
 # hybrid / state-space stacks, 4 layers holding every layer type of the family's own pattern (3 state : 1 attention
-# where the family mixes them), sizes that fit a hidden size of 64
+# where the family mixes them; minimax: its own 7 : 1 in 8 layers), sizes that fit a hidden size of 64
 HYBRIDS = {
     "qwen3_5_text": dict(layer_types=_THREE_TO_ONE, **_LINEAR),
     "qwen3_next": dict(layer_types=_THREE_TO_ONE, **_LINEAR),
@@ -92,6 +92,10 @@ HYBRIDS = {
     "mamba": dict(state_size=8),
     "falcon_mamba": dict(state_size=8),
     "zaya": dict(head_dim=16),
+    # MiniMax-Text-01's 7 lightning-attention layers : 1 full; blocks of 8 tokens (256 in the real model), so that
+    # prompts span several of the block-wise prefill's blocks
+    "minimax": dict(layer_types=["linear_attention"] * 7 + ["full_attention"], num_hidden_layers=8, head_dim=16,
+                    num_local_experts=2, block_size=8),
 }
 
 

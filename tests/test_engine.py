@@ -170,14 +170,15 @@ def test_streaming_api_add_step_abort(llama):
 
 
 def test_unsupported_models_get_a_clear_error():
-    from transformers import AutoModelForCausalLM, MiniMaxConfig, T5Config, T5ForConditionalGeneration
+    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig, T5Config, T5ForConditionalGeneration
 
-    # minimax keeps its linear-attention state in a cache class of its own (mamba & co. are served: test_hybrid_engine)
-    minimax = AutoModelForCausalLM.from_config(MiniMaxConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        intermediate_size=16, num_local_experts=2, layer_types=["linear_attention", "full_attention"])).eval()
-    with pytest.raises(ValueError, match="minimax.*has state layers"):
-        LLM(minimax)
+    # recurrent_gemma keeps its recurrent state inside its modules, not through a cache (mamba, minimax & co. are
+    # served: test_hybrid_engine)
+    recurrent_gemma = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        intermediate_size=16, lru_width=16, attention_window_size=8)).eval()
+    with pytest.raises(ValueError, match="recurrent_gemma.*whose state hf_paged cannot hold"):
+        LLM(recurrent_gemma)
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
     with pytest.raises(ValueError, match="encoder-decoder"):
         t5.generate(torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="paged")

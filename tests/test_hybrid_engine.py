@@ -15,14 +15,15 @@ from hf_paged.kv.state import StateSlots
 import hf_paged.model.spec as model_spec
 import hf_paged.model.state_layers as state_layers
 from hf_paged.model.state_continuation import continuation_modes
-from hf_paged.model.state_layers import AS_IS, KEEP_STATES, TOKEN_BY_TOKEN, StateView, find_state_modules
+from hf_paged.model.state_layers import AS_IS, KEEP_STATES, TOKEN_BY_TOKEN, StateView
+from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import HYBRIDS, tiny_hybrid
 
 from conftest import assert_same_as_hf, left_padded_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread, no spinning on a busy machine
 FAMILIES = sorted(HYBRIDS)
-PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2", "mamba", "falcon_mamba", "zamba")
+PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2", "mamba", "falcon_mamba", "zamba", "minimax")
 # Mamba-1: their own scan drops the previous state for a multi-token input (state_continuation)
 MAMBA_1 = ("mamba", "falcon_mamba", "jamba")
 
@@ -118,7 +119,7 @@ def test_pressure_gives_the_unpressured_tokens(models, model_type):
     assert stats["num_preemptions"] > 0 and stats["num_recomputed_tokens"] > 0
 
 
-@pytest.mark.parametrize("model_type", ("qwen3_5_text", "falcon_h1"))
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "falcon_h1", "minimax"))
 def test_swap_saves_the_state(models, model_type):
     """Preempted by swap: the blocks and the state go to host memory and come back; the same tokens."""
     model = models(model_type)
@@ -130,7 +131,7 @@ def test_swap_saves_the_state(models, model_type):
     assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] > 0 and stats["num_recomputed_tokens"] == 0
 
 
-@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2"))
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "minimax"))
 def test_n_samples_fork_the_state(models, model_type):
     """n=3 seeded samples fork from one computed prompt (the state copied to each sample's slot): each sample equals
     the same seeded request run alone."""
@@ -210,7 +211,7 @@ def shared_prefix_batch(prefix_len=24, suffixes=(3, 5, 2, 6), seed=4):
     return [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in suffixes]
 
 
-@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "falcon_h1", "mamba", "falcon_mamba"))
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "minimax"))
 def test_prefix_hits_restore_the_state(models, model_type):
     """Prompts sharing 24 tokens (6 blocks of 4): the state after every 2nd block and after each prompt's last full
     block is checkpointed; later prompts start from the checkpoint at the hit point. Same tokens as without prefix
@@ -298,6 +299,15 @@ def test_right_padding_runs_hf_loop_with_hf_tokens(models, model_type):
     want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="paged")
     assert torch.equal(got, want)
+
+
+def test_a_model_on_a_cache_of_its_own_is_refused_hfs_loop(models):
+    """minimax's forward accepts only its own MiniMaxCache: a call that needs HF's own loop (beams) cannot run it on a
+    PagedCache, and says so."""
+    ids, mask = left_padded_batch([5, 11])
+    with pytest.raises(ValueError, match="'minimax': generation mode 'beam_search'.*only its own cache class Mini"):
+        models("minimax").generate(ids, attention_mask=mask, num_beams=2, max_new_tokens=3,
+                                   cache_implementation="paged")
 
 
 @pytest.mark.parametrize("model_type", ("mamba2", "falcon_h1"))

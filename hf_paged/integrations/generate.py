@@ -20,7 +20,7 @@ from .generate_run import GenerateRun
 from .in_place import call_reading_in_place, in_place_configs, on_a_paged_cache
 from .paged_cache import PagedCache
 from ..model import describe_model, position_takers
-from ..model.state_layers import find_state_modules
+from ..model.state_modules import find_state_modules, own_cache_class
 from ..model.probe import counts_padding
 
 PAGED = "paged"
@@ -223,6 +223,7 @@ def _run_hf_loop(original, model, spec, arguments: dict, extra: dict, options: d
         logger.warning("hf_paged: %s; use_cache=False: transformers' own generate loop without a cache", reason)
         return call_reading_in_place(original, model, arguments, extra, None)
     else:
+        _no_paged_cache(model, reason)
         sizes = {k: options[k] for k in ("block_size", "num_blocks", "kv_cache_memory") if options and k in options}
         given = extra["cache"] = PagedCache(model.config, **sizes)
         where = "on a PagedCache"
@@ -230,6 +231,16 @@ def _run_hf_loop(original, model, spec, arguments: dict, extra: dict, options: d
     in_place = ", attention reading its pages in place" if configs else ""
     logger.warning("hf_paged: %s; running transformers' own generate loop %s%s", reason, where, in_place)
     return call_reading_in_place(original, model, arguments, extra, configs)
+
+
+def _no_paged_cache(model, reason: str) -> None:
+    """Refuses a call that needs HF's own loop on a PagedCache for a model whose forward accepts only a cache class of
+    its own (minimax: its MiniMaxCache holds the lightning-attention layers' states)."""
+    own = own_cache_class(model)
+    if own is not None:
+        raise ValueError(f"model type {model.config.model_type!r}: {reason}, but HF's own loop cannot run it on a "
+                         f"PagedCache: its forward accepts only its own cache class {own.__name__} (the paged engine "
+                         f"serves it: greedy or sampling on left-padded batches, without options that need HF's loop)")
 
 
 def paged_generate(original, model, args: tuple, kwargs: dict):
@@ -295,6 +306,7 @@ def _own_loop_from_here(model, spec, options: dict, streamer, model_kwargs: dict
     allows it, as in `_run_hf_loop`. The pool grows as needed: a pool size the caller chose for the engine (which can
     preempt rows) may not hold HF's batch, which keeps every row at once."""
     if model_kwargs.get("cache") is not None:
+        _no_paged_cache(model, f"every row is needed in each step, but {blocker}")
         model_kwargs["cache"] = PagedCache(model.config, block_size=options.get("block_size", 16))
     arguments.update(model_kwargs, streamer=streamer)
     configs = in_place_configs(model, spec, arguments, {})

@@ -39,6 +39,7 @@ from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_attention_active
 from .spec import ModelSpec
 from .state_layers import StateStep, cache_keyword
+from .state_modules import own_cache
 
 # the step boundaries of each sequence (its length last): step s runs tokens cuts[s-1]:cuts[s] of every sequence, so
 # each step mixes prefills from 0, chunks after cached context (crossing blocks) and single-token decodes
@@ -128,11 +129,9 @@ def _own_logits(model, ids: list[int], device) -> torch.Tensor:
 
 
 def _own_stepped_logits(model, ids: list[int], cuts: tuple, device) -> list[torch.Tensor]:
-    """The model's own last logits after each cut, run step by step on transformers' own cache (a refusal says when
+    """The model's own last logits after each cut, run step by step on its own cache (`own_cache`; a refusal says when
     the paged logits are these: the model's own state layers go wrong on such pieces the same way)."""
-    from transformers.cache_utils import DynamicCache
-
-    cache, results, first = DynamicCache(config=model.config), [], 0
+    cache, results, first = own_cache(model), [], 0
     for last in cuts:
         out = model(input_ids=torch.tensor([ids[first:last]], device=device),
                     position_ids=torch.arange(first, last, device=device)[None], use_cache=True,
@@ -248,7 +247,7 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             with forward_lock(model):
                 stepped = [_own_stepped_logits(model, seq, cuts, spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
             if _worst(paged, [[logits[step] for logits in stepped] for step in range(len(STEPS[0]))]) <= tolerance:
-                hint += (" (its own forward fed the same pieces on transformers' cache gives the same logits: a state "
+                hint += (" (its own forward fed the same pieces on its own cache gives the same logits: a state "
                          "layer that drops its previous state for a multi-token input)")
         verdicts[key] = (f"model type {model_type!r}: hf_paged's paged attention does not reproduce the model's own "
                          f"attention (largest logit difference {worst:.2e} of the largest logit, tolerance "

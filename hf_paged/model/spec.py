@@ -12,7 +12,8 @@ from .kv_shapes import layer_shapes, number_calls
 from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
                             self_attending_modules)
 from .state_continuation import continuation_modes
-from .state_layers import UnsupportedState, cache_keyword, find_state_modules, state_forward
+from .state_layers import UnsupportedState, cache_keyword, state_forward
+from .state_modules import find_state_modules
 from .switches import require_enabled
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
@@ -103,10 +104,11 @@ def _state_layers(model: torch.nn.Module, model_type: str) -> dict:
         return find_state_modules(model)
     except UnsupportedState as e:
         raise ValueError(str(e)) from None
-    except Exception as e:  # noqa: BLE001 - e.g. a model that keeps its state in a cache class of its own
+    except Exception as e:  # noqa: BLE001 - a forward that runs neither on transformers' cache nor on one of its own
         raise ValueError(f"model type {model_type!r} has state layers, but its forward does not run on "
                          f"transformers' own cache ({type(e).__name__}: {e}); hf_paged holds the state of layers that "
-                         f"keep it through transformers' linear-attention cache calls") from e
+                         f"keep it through transformers' linear-attention cache calls (or minimax's own cache's "
+                         f"get_linear_cache / set_linear_cache)") from e
 
 
 def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[dict | None, list, tuple]:

@@ -5,7 +5,7 @@ A continuation must give what the whole input at once gives. Not every module's 
 prefills a whole prompt at once and then decodes single tokens, so a module may only ever have continued a state one
 token at a time (transformers' Mamba-1 scan, `mamba` / `falcon_mamba` / `jamba`, starts any multi-token input from a
 zero recurrent state). Which module does what is not a list of families but a check of each module class, once per
-model (dtype, device), on its own inputs from one LENGTH-token forward of the model on transformers' cache: after the
+model (dtype, device), on its own inputs from one LENGTH-token forward of the model on its own cache: after the
 state of its first PREFIX tokens, the rest as a continuation must give (1) the outputs of the whole input at once and
 (2), from that state with its recurrent part AMPLIFY times larger (so that a dropped state cannot hide under float
 rounding: a tiny model's state may barely reach its outputs), the outputs of a continuation token by token. The first
@@ -32,6 +32,7 @@ from ..kv.state import StateSlots
 from .forward_lock import forward_lock
 from .state_layers import (AS_IS, KEEP_STATES, TOKEN_BY_TOKEN, StateRun, StateView, cache_keyword, own_forward,
                            run_module, split_arguments)
+from .state_modules import own_cache
 
 MODES = (AS_IS, KEEP_STATES, TOKEN_BY_TOKEN)  # tried in this order: the cheapest exact one is taken
 PREFIX, LENGTH = 2, 5  # the check's continuation: tokens PREFIX:LENGTH after a state of PREFIX tokens
@@ -64,10 +65,8 @@ def continuation_modes(model: torch.nn.Module, state_modules: dict[int, str]) ->
 
 
 def _module_inputs(model: torch.nn.Module, modules: list) -> dict:
-    """{module: (args, kwargs) of its first call} in one LENGTH-token forward of the model on transformers' cache, in
-    this thread ({} if that forward fails)."""
-    from transformers.cache_utils import DynamicCache
-
+    """{module: (args, kwargs) of its first call} in one LENGTH-token forward of the model on the cache its forward
+    keeps its states on (`own_cache`), in this thread ({} if that forward fails)."""
     inputs: dict = {}
     thread = threading.get_ident()
 
@@ -79,10 +78,11 @@ def _module_inputs(model: torch.nn.Module, modules: list) -> dict:
     text = model.config.get_text_config(decoder=True)
     vocab = min(getattr(text, "vocab_size", None) or 256, 1000)
     ids = torch.randint(3, max(vocab, 4), (1, LENGTH), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = own_cache(model)  # (before the hooks: finding which cache may run a forward of its own)
     with forward_lock(model):
         hooks = [module.register_forward_pre_hook(capture, with_kwargs=True) for module in modules]
         try:
-            model(input_ids=ids, use_cache=True, **{cache_keyword(model.forward): DynamicCache(config=model.config)})
+            model(input_ids=ids, use_cache=True, **{cache_keyword(model.forward): cache})
         except Exception:  # noqa: BLE001 - no inputs: every module runs AS_IS and the start-up check decides
             return {}
         finally:

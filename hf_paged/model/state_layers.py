@@ -14,22 +14,22 @@ what the whole input at once gives. Some modules' own code continues a state onl
 Mamba-1 scan starts a multi-token input from a zero state): such a module runs its continuations in the mode
 `state_continuation.continuation_modes` chose for it (`AS_IS`, `KEEP_STATES`, `TOKEN_BY_TOKEN`).
 
-`find_state_modules` says which module holds each state layer, from one forward with transformers' own cache.
+Which module holds each state layer is found by `state_modules.find_state_modules`, from one forward on
+transformers' cache (or the model's own cache class: minimax keeps each lightning-attention layer's recurrent state
+through `get_linear_cache` / `set_linear_cache`, which `StateView` answers as well).
 """
 from __future__ import annotations
 
 import inspect
-import threading
 from dataclasses import dataclass
 
 import torch
 
 from ..kv.state import StateSlots
-from .forward_lock import forward_lock
 from .state_rows import by_row, join, left_padding_mask, rows_of
 
 STATE_CALLS = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state",
-               "has_previous_state")
+               "has_previous_state", "get_linear_cache", "set_linear_cache")  # the last two: minimax's own cache
 
 # How a state module runs a continuation of more than one token (one mode per module, see the module doc):
 AS_IS = "as_is"  # in one call: its own forward continues the state it is given
@@ -195,6 +195,20 @@ class StateView:
         self.values[("recurrent", state_idx)] = last.clone()
         return self.values[("recurrent", state_idx)]
 
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        """As minimax's own cache: the layer's recurrent state (its K^T V), None while the sequence has none (its
+        module then starts from zeros, block by block; with a state it continues token by token)."""
+        self._check(layer_idx)
+        if self.run.fresh and ("recurrent", 0) not in self.values:
+            return None
+        return self._known("recurrent", 0)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        """As minimax's own cache: the layer's recurrent state after these rows (kept as `update_recurrent_state`
+        keeps it)."""
+        self._check(layer_idx)
+        self.values[("recurrent", 0)] = linear_cache.clone()
+
     def is_recording_past(self, layer_idx: int | None = None) -> bool:
         return False
 
@@ -270,6 +284,9 @@ def split_arguments(signature: inspect.Signature, cache_keyword: str, args: tupl
                  and k not in per_row)
     if odd or hidden_states.shape[0] != 1:
         raise UnsupportedState(f"{who} got {odd or 'a batch'}, which hf_paged's packed steps do not pass on")
+    mask = signature.parameters.get("attention_mask")
+    if mask is not None and mask.default is inspect.Parameter.empty:  # required (minimax): None but for padded starts
+        per_row["attention_mask"] = None
     return hidden_states, per_row
 
 
@@ -289,7 +306,7 @@ def run_module(own, cache_keyword: str, hidden_states: torch.Tensor, per_row: di
     for rows in parts:
         if view.continuation == KEEP_STATES and not run.fresh:
             view.keep = rows.stop - rows.start if isinstance(rows, slice) else 1
-        inputs = {k: rows_of(v, rows) for k, v in per_row.items()}
+        inputs = {k: None if v is None else rows_of(v, rows) for k, v in per_row.items()}
         if isinstance(rows, list):
             inputs["attention_mask"] = left_padding_mask(rows, hidden_states.device)
         outputs.append((rows, own(rows_of(hidden_states, rows), **inputs, **{cache_keyword: view})))
@@ -306,14 +323,22 @@ def _runs(runs: list[StateRun], takes_mask: bool):
 
 
 def packed(outputs: list, num_rows: int, model_type: str):
-    """The runs' outputs (each a tensor or a tuple of tensors / None, rows along dimension 1) as one packed output."""
+    """The runs' outputs (each a tensor or a tuple of tensors / None, rows along dimension 1) as one packed output.
+    A tuple's later entry that is not one entry per row in every run (minimax returns its recurrent state [B, heads,
+    d, d] second) is None."""
     first = outputs[0][1]
     if isinstance(first, torch.Tensor):
         return join([(rows, out) for rows, out in outputs], num_rows)
     if isinstance(first, tuple):
-        return tuple(None if first[i] is None else join([(rows, out[i]) for rows, out in outputs], num_rows)
-                     for i in range(len(first)))
+        return tuple(None if first[i] is None or (i and not all(_per_row(out[i], out[0]) for _, out in outputs))
+                     else join([(rows, out[i]) for rows, out in outputs], num_rows) for i in range(len(first)))
     raise UnsupportedState(f"model type {model_type!r}: its state module returns {type(first).__name__}")
+
+
+def _per_row(value, output: torch.Tensor) -> bool:
+    """Whether `value` has the batch and row dimensions of the run's `output` (its first entry)."""
+    return (isinstance(value, torch.Tensor) and isinstance(output, torch.Tensor) and value.dim() >= 2
+            and value.shape[:2] == output.shape[:2])
 
 
 def cache_keyword(function) -> str:
@@ -324,71 +349,3 @@ def cache_keyword(function) -> str:
         if name in params:
             return name
     raise UnsupportedState(f"{getattr(function, '__qualname__', function)} takes no cache argument")
-
-
-@torch.inference_mode()
-def find_state_modules(model: torch.nn.Module) -> dict[int, str]:
-    """{layer index: qualified name of the module that reads and writes that layer's state}, from one 3-token forward
-    with transformers' own cache: a state call names the innermost running module whose `layer_idx` is the layer
-    the call is for. {} for models whose cache has no state layer. Kept on the model. Raises UnsupportedState when a
-    state layer's calls come from no such module, or from several."""
-    known = model.__dict__.get("_hf_paged_state_modules")
-    if known is not None:
-        return known
-    from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
-
-    model_type = getattr(model.config, "model_type", type(model).__name__)
-    cache = DynamicCache(config=model.config)
-    linear = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
-    if not linear:
-        model.__dict__["_hf_paged_state_modules"] = {}
-        return {}
-    thread, stack, found, strays = threading.get_ident(), [], {}, []
-    names = {module: name for name, module in model.named_modules()}
-
-    def record(method):
-        def call(*args, **kwargs):
-            layer = kwargs.get("layer_idx")
-            if layer is None:
-                layer = args[0] if method.__name__ in ("get_conv_state", "get_recurrent_state",
-                                                       "has_previous_state") else args[1]
-            owner = next((m for m in reversed(stack) if getattr(m, "layer_idx", None) == layer), None)
-            if owner is None:
-                strays.append(layer)
-            else:
-                found.setdefault(layer, set()).add(names[owner])
-            return method(*args, **kwargs)
-        return call
-
-    for name in STATE_CALLS:
-        setattr(cache, name, record(getattr(cache, name)))
-    def enter(module, *_) -> None:
-        if threading.get_ident() == thread:
-            stack.append(module)
-
-    def leave(module, *_) -> None:
-        if threading.get_ident() == thread and stack:
-            stack.pop()
-
-    hooks = []
-    for module in names:
-        if isinstance(getattr(module, "layer_idx", None), int):
-            hooks.append(module.register_forward_pre_hook(enter))
-            hooks.append(module.register_forward_hook(leave, always_call=True))
-    device = next(model.parameters()).device
-    try:
-        with forward_lock(model):
-            model(input_ids=torch.tensor([[1, 2, 3]], device=device), use_cache=True,
-                  **{cache_keyword(model.forward): cache})
-    finally:
-        for hook in hooks:
-            hook.remove()
-    if strays:
-        raise UnsupportedState(f"model type {model_type!r}: state calls for layers {sorted(set(strays))} come from "
-                               f"no module of that layer")
-    several = {layer: sorted(n) for layer, n in found.items() if len(n) > 1}
-    if several:
-        raise UnsupportedState(f"model type {model_type!r}: several modules use the state of one layer: {several}")
-    result = {layer: next(iter(n)) for layer, n in sorted(found.items())}
-    model.__dict__["_hf_paged_state_modules"] = result
-    return result

@@ -151,3 +151,124 @@ def test_what_the_sampler_lacks_goes_to_transformers_manager(model):
         assert isinstance(model.init_continuous_batching(generation_config=config()), ContinuousBatchingManager)
     finally:
         hf_paged.enable()
+
+
+def finished_results(manager, count, seconds=30):
+    """Up to `count` finished outputs, waiting at most `seconds` in all."""
+    import time
+
+    results, deadline = {}, time.monotonic() + seconds
+    while len(results) < count and time.monotonic() < deadline:
+        result = manager.get_result(timeout=0.2)
+        if result is not None and result.is_finished():
+            results[result.request_id] = result
+    return results
+
+
+def test_num_return_sequences_set_on_a_made_manager_gives_every_sample(model):
+    # transformers reads it per request (its own test sets it on a made manager): an n=1 engine request under two
+    # names never finished
+    manager = model.init_continuous_batching(generation_config=config())
+    manager.num_return_sequences = 2
+    manager.start()
+    try:
+        manager.add_request(PROMPTS[0], request_id="r", max_new_tokens=6)
+        results = finished_results(manager, 2)
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert sorted(results) == ["r", "r__child#0"]
+    assert all(out.generated_tokens == hf_tokens(model, PROMPTS[0], new=6) for out in results.values())
+    assert not manager._live
+
+
+def test_processors_cleared_and_do_sample_turned_off_before_start_apply(model):
+    # as transformers' tests do: logit_processor.clear(), then do_sample off, read when the loop starts
+    manager = model.init_continuous_batching(generation_config=config(do_sample=True, temperature=5.0, top_k=0,
+                                                                      repetition_penalty=1.5))
+    manager.logit_processor.clear()
+    manager.generation_config.do_sample = False
+    manager.start()
+    try:
+        ids = [manager.add_request(prompt, max_new_tokens=6) for prompt in PROMPTS[:2]]
+        results = finished_results(manager, 2)
+    finally:
+        manager.stop(block=True, timeout=30)
+    for request_id, prompt in zip(ids, PROMPTS):  # greedy, without the config's penalty
+        assert results[request_id].generated_tokens == hf_tokens(model, prompt, new=6)
+    assert manager.current_batch >= 6 and manager.output_router.output_queue is manager.output_queue
+
+
+def test_sampling_keywords_of_a_request_leave_a_greedy_config_greedy(model):
+    # transformers' loop samples only with do_sample (its own test passes temperature / top-k / top-p to greedy runs)
+    manager = model.init_continuous_batching(generation_config=config())
+    manager.start()
+    try:
+        ids = [manager.add_request(prompt, max_new_tokens=6, temperature=5.0, top_k=100, top_p=0.99)
+               for prompt in PROMPTS[:2]]
+        results = finished_results(manager, 2)
+    finally:
+        manager.stop(block=True, timeout=30)
+    for request_id, prompt in zip(ids, PROMPTS):
+        assert results[request_id].generated_tokens == hf_tokens(model, prompt, new=6)
+
+
+def test_generate_batchs_workload_sizes_the_pool_and_a_pool_memory_cannot_hold_falls_back(model):
+    # generate_batch passes its workload (4 requests, prompts <= 8, 10 new tokens): 4 x ceil(18 / 16) blocks, not the
+    # engine's default pool (its blocks cost a rollout of TRL, which makes a manager per call, more than generating)
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    outs = model.generate_batch(PROMPTS, generation_config=config(), persistent_manager=True)
+    manager = model.__dict__["_cached_continuous_batching_manager"]
+    assert manager.llm.engine.memory.num_blocks == 8
+    for prompt, out in zip(PROMPTS, outs.values()):
+        assert out.generated_tokens == hf_tokens(model, prompt)
+    model.destroy_cached_continuous_batching_manager()
+    huge = model.init_continuous_batching(generation_config=config(), workload_hints=WorkloadHints(
+        max_prompt_length=8, max_generated_length=10, num_requests=10**12))
+    huge.warmup()  # more blocks than memory holds: the engine's own default pool
+    assert 8 < huge.llm.engine.memory.num_blocks < 10**12
+
+
+def test_stop_from_inside_a_pause_raises_and_a_pause_the_loop_dies_before_raises(model):
+    import threading
+
+    manager = model.init_continuous_batching(generation_config=config(max_new_tokens=200))
+    manager.start()
+    manager.add_request(PROMPTS[1], max_new_tokens=200)
+    raised = []
+
+    def stop_inside_a_pause():
+        with manager.pause():
+            try:
+                manager.stop(block=True)  # would wait forever for a loop this thread keeps paused
+            except RuntimeError as e:
+                raised.append(e)
+
+    thread = threading.Thread(target=stop_inside_a_pause, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive() and raised and "inside a pause" in str(raised[0])
+    manager.stop(block=True, timeout=60)  # outside the pause it finishes the request and ends
+    assert not manager.is_running()
+    assert finished_results(manager, 1)
+    with pytest.raises(RuntimeError):
+        with manager.pause():
+            pass
+    dying = model.init_continuous_batching(generation_config=config(max_new_tokens=200))
+    dying.start()
+
+    stepping = threading.Event()
+
+    def step_that_kills_the_loop():  # waits for the pause to be asked, then gives what the loop cannot take
+        stepping.set()
+        while not dying._paused.is_set():
+            threading.Event().wait(0.001)
+        return [None]
+
+    dying.llm.step = step_that_kills_the_loop
+    dying.add_request(PROMPTS[1], max_new_tokens=200)
+    assert stepping.wait(20)
+    with pytest.raises(RuntimeError) as caught:  # the loop dies before it pauses: said, not entered
+        with dying.pause():
+            pass
+    assert caught.value.__cause__ is dying.fatal_error is not None

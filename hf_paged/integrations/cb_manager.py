@@ -23,6 +23,7 @@ import asyncio
 import queue
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -33,6 +34,12 @@ from ..config import logger
 from .cb_params import REQUEST_KEYWORD_TYPES, engine_options, reason_to_decline, sampling_params
 
 CACHE_ATTRIBUTE = "_cached_continuous_batching_manager"  # where transformers keeps a persistent manager
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the managers of this process (`live_managers`)
+
+
+def live_managers() -> list["PagedBatchingManager"]:
+    """This process' managers still alive, oldest first (what `hf-paged serve`'s stats endpoint reads)."""
+    return sorted(_LIVE, key=lambda manager: manager._born)
 
 
 class PagedBatchingManager:
@@ -60,6 +67,7 @@ class PagedBatchingManager:
         self._paused = threading.Event()
         self._at_rest = threading.Event()  # set by the loop while it is paused (between steps)
         self._pausers = 0
+        self._holders: dict[int, int] = {}  # thread id -> the pauses it holds (stop() inside one would never end)
         self._pause_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._counter = 0
@@ -67,9 +75,18 @@ class PagedBatchingManager:
         self._live: dict[str, dict] = {}  # engine request id -> what its outputs need (background thread only)
         # what transformers' serving code reads from its manager: the per-request keywords and their types, the
         # status holding a fatal error, and its batch processor (None: the server then reports no KV usage)
-        self.logit_processor = SimpleNamespace(supported_keys=dict(REQUEST_KEYWORD_TYPES), do_processing=True)
+        self.logit_processor = SimpleNamespace(supported_keys=dict(REQUEST_KEYWORD_TYPES), do_processing=True,
+                                               clear=self._clear_processors)
         self.background_thread_status = SimpleNamespace(fatal_error=None)
         self.batch_processor = None
+        # and what its tests and clients of its 5.25 layout read: the output queue behind `output_router`, the count
+        # of steps run (`current_batch`)
+        self.output_router = SimpleNamespace(output_queue=self.output_queue, result_handlers=self.result_handlers,
+                                             _lock=self._handlers_lock)
+        self.current_batch = 0
+        self._plain = False  # logit_processor.clear() was called: no processor of the generation config applies
+        self._born = time.monotonic()
+        _LIVE.add(self)
 
     @property
     def fatal_error(self) -> BaseException | None:
@@ -79,12 +96,25 @@ class PagedBatchingManager:
     def fatal_error(self, error: BaseException | None) -> None:
         self.background_thread_status.fatal_error = error
 
+    def _clear_processors(self) -> None:
+        """`logit_processor.clear()`: as in transformers, the generation config's processors (temperature, top-k / p,
+        min-p, repetition penalty, min length) no longer apply to the requests the loop takes from now on."""
+        self._plain, self.logit_processor.do_processing = True, False
+        self._base_params = sampling_params(self.generation_config, self.model, plain=True)
+
     # ---- control ---------------------------------------------------------------------------------------------
     def _ensure_llm(self):
         if self.llm is None:
             from ..llm import LLM
 
-            self.llm = LLM(self.model, data_parallel=False, **self._options)
+            options = {k: v for k, v in self._options.items() if k != "hinted"}
+            try:
+                self.llm = LLM(self.model, data_parallel=False, **options)
+            except ValueError:  # e.g. a pool sized from the workload that memory cannot hold: the engine's default
+                if "hinted" not in self._options:
+                    raise
+                del options["num_blocks"]
+                self.llm = LLM(self.model, data_parallel=False, **options)
         return self.llm
 
     def warmup(self) -> None:
@@ -100,6 +130,8 @@ class PagedBatchingManager:
             logger.warning("hf_paged: the continuous-batching manager is already running")
             return
         self._ensure_llm()
+        # the generation config as it is now (transformers reads do_sample when its loop starts, not when made)
+        self._base_params = sampling_params(self.generation_config, self.model, plain=self._plain)
         self._stop_mode, self.fatal_error = None, None
         inference = torch.is_inference_mode_enabled()
         self._thread = threading.Thread(target=self._run, args=(inference,), name="hf_paged-cb", daemon=True)
@@ -109,7 +141,10 @@ class PagedBatchingManager:
              hard_stop: bool = False) -> None:
         """Stop the loop: after finishing what was added (or at once, failing it, with `hard_stop`). With
         `keep_for_next_session` the manager (and its engine, with its prefix cache) is kept on the model and
-        `init_continuous_batching` returns it next time."""
+        `init_continuous_batching` returns it next time. Raises RuntimeError from inside a pause of this thread."""
+        if self._holders.get(threading.get_ident()):
+            raise RuntimeError("stop() called from inside a pause: the loop cannot finish while this thread holds it "
+                               "paused; leave the pause first")
         if self._thread is None:
             logger.warning("hf_paged: the continuous-batching manager was not started")
             return
@@ -141,19 +176,24 @@ class PagedBatchingManager:
         """The loop stops between steps while inside (e.g. to change the weights); requests stay queued / running."""
         if not self.is_running():
             raise RuntimeError("Cannot pause generation while no generation loop is running.")
+        me = threading.get_ident()
         with self._pause_lock:
             self._pausers += 1
+            self._holders[me] = self._holders.get(me, 0) + 1
             self._paused.set()
             self._at_rest.clear()
         self._wake.set()
-        while not self._at_rest.wait(0.05):  # entered only between steps
-            if not self.is_running():
-                break
         try:
+            while not self._at_rest.wait(0.05):  # entered only between steps
+                if not self.is_running():  # the loop ended (stopped, or died: its error is the cause)
+                    raise RuntimeError("the continuous-batching loop ended before it paused") from self.fatal_error
             yield
         finally:
             with self._pause_lock:
                 self._pausers -= 1
+                self._holders[me] -= 1
+                if not self._holders[me]:
+                    del self._holders[me]
                 if not self._pausers:
                     self._paused.clear()
             self._wake.set()
@@ -271,6 +311,7 @@ class PagedBatchingManager:
             except Exception as e:  # noqa: BLE001 - the step changed nothing; its requests end with the error
                 self._fail_all(f"{type(e).__name__}: {e}")
                 continue
+            self.current_batch += 1
             for out in outs:
                 builder.emit(out)
 

@@ -30,13 +30,13 @@ class OutputBuilder:
         m = self.manager
         if eos_token_id is None:
             eos_token_id = m.generation_config.eos_token_id
-        names = _names(request_id, m.num_return_sequences)
+        names = _names(request_id, m.num_return_sequences)  # read now, as transformers does (it may have changed)
         if request_id in m._live:
             self._failed(names, prompt, created, f"request id {request_id!r} is already running")
             return
         try:
             params = request_params(m._base_params, m.generation_config, len(prompt), max_new_tokens, eos_token_id,
-                                    keywords)
+                                    keywords, n=len(names))
             self.llm.add_request(prompt, params, request_id=request_id)
         except ValueError as e:  # refused up front: the request ends at once, naming why
             self._failed(names, prompt, created, str(e))

@@ -36,10 +36,15 @@ def reason_to_decline(model, generation_config, cb_config) -> str | None:
 
 def engine_options(cb_config, workload_hints=None) -> dict:
     """hf_paged engine options from transformers' `ContinuousBatchingConfig` (None: the engine's defaults): the pool
-    (num_blocks x block_size tokens), tokens per step, sequences per step, prefix sharing, the seed."""
+    (num_blocks x block_size tokens), tokens per step, sequences per step, prefix sharing, the seed. Without
+    num_blocks, `workload_hints` of a whole workload (generate_batch's: requests, longest prompt, new tokens) size the
+    pool to hold it all at once (`hinted` in the result; the engine's default pool can be 100x larger, and making
+    its blocks costs a TRL rollout, which makes a manager per call, more than generating)."""
     options: dict = {}
+    hints = [int(getattr(workload_hints, name, 0) or 0)
+             for name in ("num_requests", "max_prompt_length", "max_generated_length")]
     if cb_config is None:
-        return options
+        cb_config = object()
     block_size = getattr(cb_config, "block_size", None)
     num_blocks = getattr(cb_config, "num_blocks", None)
     if block_size:
@@ -55,14 +60,21 @@ def engine_options(cb_config, workload_hints=None) -> dict:
         options["enable_prefix_caching"] = False
     if getattr(cb_config, "seed", None) is not None:
         options["seed"] = int(cb_config.seed)
+    if "num_blocks" not in options and all(hints):
+        size = options.get("block_size", 16)
+        options["num_blocks"] = options["hinted"] = hints[0] * -(-(hints[1] + hints[2]) // size)
     return options
 
 
-def sampling_params(generation_config, model) -> SamplingParams:
+def sampling_params(generation_config, model, plain: bool = False) -> SamplingParams:
     """The SamplingParams a GenerationConfig asks for (greedy unless `do_sample`), without a length or stop tokens
-    (each request sets those), log-probs of the chosen token on."""
+    (each request sets those), log-probs of the chosen token on. `plain`: without its processors (temperature 1, no
+    top-k / p, min-p, penalty, min length), as after transformers' `logit_processor.clear()`."""
     fields: dict = {"logprobs": 0, "ignore_eos": True, "n": getattr(generation_config, "num_return_sequences", None)
                     or 1}
+    if plain:
+        fields["temperature"] = 1.0 if getattr(generation_config, "do_sample", False) else 0.0
+        return SamplingParams(**fields)
     if getattr(generation_config, "do_sample", False):
         fields["temperature"] = float(generation_config.temperature if generation_config.temperature is not None
                                       else 1.0)
@@ -80,9 +92,9 @@ def sampling_params(generation_config, model) -> SamplingParams:
 
 
 def request_params(base: SamplingParams, generation_config, prompt_len: int, max_new_tokens: int | None,
-                   eos_token_id, keywords: dict) -> SamplingParams:
-    """One request's SamplingParams: `base` with its length, its end-of-sequence tokens (-1 / None: none) and the
-    per-request keywords. Raises ValueError naming a keyword it cannot apply."""
+                   eos_token_id, keywords: dict, n: int = 1) -> SamplingParams:
+    """One request's SamplingParams: `base` with its length, its end-of-sequence tokens (-1 / None: none), its `n`
+    samples and the per-request keywords. Raises ValueError naming a keyword it cannot apply."""
     unknown = sorted(set(keywords) - set(REQUEST_KEYWORDS))
     if unknown:
         raise ValueError(f"unknown logit_processor_kwargs {unknown}; hf_paged applies {sorted(REQUEST_KEYWORDS)}")
@@ -92,5 +104,7 @@ def request_params(base: SamplingParams, generation_config, prompt_len: int, max
         max_new_tokens = max(1, (generation_config.max_length or 20) - prompt_len)
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     changes = {REQUEST_KEYWORDS[k]: v for k, v in keywords.items()}
-    return dataclasses.replace(base, max_tokens=int(max_new_tokens),
+    if base.temperature == 0:  # greedy (do_sample off): as in transformers, no keyword makes the request sample
+        changes = {k: v for k, v in changes.items() if k not in ("temperature", "top_k", "top_p", "min_p")}
+    return dataclasses.replace(base, max_tokens=int(max_new_tokens), n=int(n),
                                stop_token_ids=[int(t) for t in eos if int(t) >= 0], **changes)

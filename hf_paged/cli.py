@@ -4,6 +4,7 @@
     hf-paged generate --model tiny --prompt "Hello"
     hf-paged demo [--model DIR]
     hf-paged bench throughput --small --json out.json
+    hf-paged serve MODEL [--port 8000 ...]       (transformers serve --continuous-batching, on hf_paged)
 
 Only the standard library (and hf_paged_cli, the front, standard library only) is imported here at start-up: torch
 and transformers load when work starts, so `--help` answers at once. hf_paged is imported by absolute name, inside
@@ -35,6 +36,7 @@ BENCHMARKS = {  # name: what it measures (the modules are hf_paged.bench.NAME)
     "swap": "throughput under memory pressure: recompute vs swap vs auto preemption",
     "beam": "beam search on the engine vs HF's",
     "window": "a sliding-window model's long generations: blocks behind the window given back vs kept",
+    "serve": "concurrent streaming clients: hf-paged serve vs transformers serve (TTFT, ITL, tok/s)",
 }
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -68,8 +70,8 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-paged", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.split("\n")[1:7]))
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,demo,bench}")
+                                     epilog="\n".join(__doc__.split("\n")[1:8]))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,demo,bench,serve}")
     p = sub.add_parser("generate", help="generate for prompts from a file (.txt / .jsonl) or --prompt",
                        description="Generate for every prompt of --input (one JSON line each written to --output, in "
                                    "input order; a rerun skips lines already written) or of --prompt.")
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=tuple(BENCHMARKS), metavar="NAME", help="which benchmark (listed below)")
     p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (--small, --json, --plot...)")
     p.set_defaults(func=bench)
+    sub.add_parser("serve", add_help=False, help="an OpenAI-compatible server: transformers serve with continuous "
+                   "batching on hf_paged (main() hands it its options; hf-paged serve --help lists them)")
     return parser
 
 
@@ -350,6 +354,10 @@ def demo(args) -> int:
 
 
 def bench(args) -> int:
+    if {"-h", "--help"} & set(args.options):
+        from hf_paged_cli.bench_help import bench_help
+
+        return bench_help(args.name, args.options)
     from hf_paged.bench import run
 
     try:
@@ -358,8 +366,23 @@ def bench(args) -> int:
         raise CliError(str(e))
 
 
+def serve(options: list[str]) -> int:
+    """transformers' `serve` command, its options `options`, continuous batching on hf_paged's engine."""
+    import importlib.util
+
+    missing = [name for name in ("fastapi", "uvicorn", "openai", "pydantic") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CliError(f"serving needs {', '.join(missing)}: pip install 'hf_paged[serve]'")
+    from hf_paged.integrations.serve import main as serve_main
+
+    return serve_main(options)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    serving = argv[:1] == ["serve"]  # its options are transformers serve's, parsed there (--help included)
+    args = argparse.Namespace(command="serve", func=lambda _: serve(argv[1:])) if serving else \
+        build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except CliError as e:

@@ -42,6 +42,14 @@ def test_help_and_unreachable_model_load_no_torch(tmp_path):
     assert "HEAVY []" in proc.stdout and seconds < 10
 
 
+@pytest.mark.parametrize("name", ["throughput", "window", "serve"])
+def test_bench_help_loads_no_torch(name):
+    proc, _ = front("bench", name, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert f"usage: hf-paged bench {name}" in proc.stdout and "--json" in proc.stdout
+    assert "HEAVY []" in proc.stdout, "bench --help imported torch / transformers / hf_paged"
+
+
 def test_demo_runs_and_matches_hf(capsys, one_torch_thread):
     assert main(["demo", "--requests", "6", "--max-tokens", "6"]) == 0
     out = capsys.readouterr().out

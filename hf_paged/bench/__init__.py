@@ -13,7 +13,7 @@ import inspect
 import sys
 from pathlib import Path
 
-NAMES = ("throughput", "prefix", "chunked", "memory", "swap", "beam", "window")
+NAMES = ("throughput", "prefix", "chunked", "memory", "swap", "beam", "window", "serve")
 
 
 def load(name: str):

@@ -85,3 +85,15 @@ def test_the_check_catches_positions_wrong_only_after_cached_context(monkeypatch
     monkeypatch.setattr(paged_forward, "sequence_positions", chunk_blind)
     with pytest.raises(ValueError, match="'biogpt'.*does not reproduce"):
         LLM(model)
+
+
+@pytest.mark.parametrize("impl", ["paged|eager"])  # ("paged|sdpa" is turned into "sdpa" by transformers itself)
+def test_a_model_loaded_for_transformers_batching_is_compared_with_its_plain_attention(impl, one_torch_thread):
+    """transformers' "paged|..." attention applies no causal mask outside its own batching loop: the start-up check
+    takes the model's reference logits from the plain attention after the "|" (else such a model was refused)."""
+    model, plain = tiny_model("llama", attn_implementation=impl), tiny_model("llama")
+    ids, mask = left_padded_batch([5, 9, 3], seed=4)
+    assert not counts_padding(model)  # so a padded batch runs on the engine, not in HF's loop
+    out = model.generate(ids, attention_mask=mask, cache_implementation="paged", **GREEDY)
+    assert out.tolist() == plain.generate(ids, attention_mask=mask, **GREEDY).tolist()
+    assert model.config._attn_implementation == impl  # left as found

@@ -26,6 +26,7 @@ serving each prompt at its own positions, does not reproduce.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 
@@ -40,6 +41,7 @@ from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_atte
 from .spec import ModelSpec
 from .state_layers import StateStep, cache_keyword
 from .state_modules import own_cache
+from .switches import switched_attention
 
 # the step boundaries of each sequence (its length last): step s runs tokens cuts[s-1]:cuts[s] of every sequence, so
 # each step mixes prefills from 0, chunks after cached context (crossing blocks) and single-token decodes
@@ -163,8 +165,9 @@ def counts_padding(model) -> bool:
     padded = torch.cat([torch.full((1, PADDING), pad, device=param.device), prompt], dim=1)
     mask = (torch.arange(padded.shape[1], device=param.device) >= PADDING).long()[None]
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    configs = [model.config, model.config.get_text_config(decoder=True)]
     try:
-        with forward_lock(model):
+        with forward_lock(model), _reference_attention(configs):
             alone = {"position_ids": torch.arange(prompt.shape[1], device=param.device)[None]} if takes_positions else {}
             want = model(input_ids=prompt, attention_mask=torch.ones_like(prompt), **alone).logits[0, -1].float()
             with_pad = {"position_ids": model._prepare_position_ids_for_generation(padded, {"attention_mask": mask})
@@ -209,6 +212,18 @@ def _window_fields(config) -> tuple:
 
 
 @torch.inference_mode()
+def _reference_attention(configs: list):
+    """Where the model's own forward gives the reference logits: its configured attention, except that a model loaded
+    with transformers' continuous-batching attention ("paged|eager") is compared with the plain one after the "|"
+    (outside transformers' batching loop its "paged|" functions apply no causal mask). `configs`: the model's
+    configs (others are skipped)."""
+    configs = [c for c in configs if isinstance(getattr(c, "_attn_implementation", None), str)]
+    names = {c._attn_implementation for c in configs}
+    if len(names) != 1 or not next(iter(names)).startswith("paged|"):
+        return contextlib.nullcontext()
+    return switched_attention(configs, next(iter(names)).split("|", 1)[1])
+
+
 def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> dict[int, tuple]:
     """Raise ValueError when the paged forward does not reproduce the model's own logits (see the module doc).
     Returns (sliding window, attention chunk) of each attention layer (layer -> pair, None: not limited that way)."""
@@ -236,15 +251,16 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             raise ValueError(f"model type {model_type!r}: its forward fails on hf_paged's paged path "
                              f"({type(e).__name__}: {e})") from e
         # each whole prefix at once, for state models too (the pieces of a state layer must give what it gives)
-        own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
-               for step in range(len(STEPS[0]))]
+        with _reference_attention(spec.configs):
+            own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
+                   for step in range(len(STEPS[0]))]
     tolerance = TOLERANCE.get(dtype, 3e-2)
     worst = _worst(paged, own)
     verdicts[key] = None
     if not worst <= tolerance:  # also catches NaN
         hint = _own_positions(model)
         if spec.has_state:
-            with forward_lock(model):
+            with forward_lock(model), _reference_attention(spec.configs):
                 stepped = [_own_stepped_logits(model, seq, cuts, spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
             if _worst(paged, [[logits[step] for logits in stepped] for step in range(len(STEPS[0]))]) <= tolerance:
                 hint += (" (its own forward fed the same pieces on its own cache gives the same logits: a state "

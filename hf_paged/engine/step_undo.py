@@ -91,9 +91,10 @@ class StepUndo:
     def _distrust(self, written: set[int]) -> None:
         s = self.scheduler
         for request in list(s.running):
+            # the forward pass may have written past its computed tokens: that block is cleared when next handed out
+            # (also when the request is recomputed below and its blocks go back to the pool)
+            s.kv.distrust_tail(request)
             if request.state_slot >= 0 and request.num_computed_tokens:  # its state may hold this step's tokens
                 s.recompute(request)
             elif any(block in written for table in request.block_tables for block in table):
                 s.recompute(request)
-            else:  # the forward pass may have written past its computed tokens: that block is cleared when reused
-                s.kv.distrust_tail(request)

@@ -349,6 +349,9 @@ class KVCacheManager:
                 block = self.pool.cached.get(group_key(g, key))
                 if block is not None:
                     self.pool.uncache(block.block_id)
+        if self.checkpoints is not None:  # the states its pass cut at its block boundaries may be non-finite too
+            for key in request.block_hashes:
+                self.checkpoints.forget(key)
 
     def distrust_tail(self, request: Sequence) -> None:
         """A failed forward pass may have written past the request's computed tokens: the block holding its next slot

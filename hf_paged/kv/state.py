@@ -160,6 +160,12 @@ class StateCheckpoints:
             self._assigned.add(slot)
         return slot
 
+    def forget(self, key: bytes) -> None:
+        """Drop the state kept after block `key` (a forward pass that went non-finite may have written it)."""
+        slot = self.keys.pop(key, None)
+        if slot is not None:
+            self.store.free(slot)
+
     def clear(self) -> None:
         for slot in self.keys.values():
             self.store.free(slot)

@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS + EXTRA, default=None,
-                        help="default: all three (hf_paged and hf_padded for a hybrid --arch)")
+                        help="default: all three (hf_paged and hf_padded for a hybrid --arch; with --small, "
+                             "generate_batch sized to the workload)")
     parser.add_argument("--arch", choices=ARCHS, default="llama",
                         help="the random model: Llama, or a hybrid of that family's shape (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=1,
@@ -285,7 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                     plot_help="output tok/s against the number of requests")
     args = parser.parse_args(argv)
     setup = workload(args.arch, args.small)
-    args.systems = args.systems or (list(SYSTEMS) if args.arch == "llama" else ["hf_paged", "hf_padded"])
+    if args.systems is None:  # --small (a smoke run): HF's generate_batch with a pool sized to the workload, not its
+        # default share of host RAM (tens of seconds and GBs to set up on a large machine)
+        args.systems = ["hf_paged", "hf_padded"] if args.arch != "llama" else \
+            ["hf_paged", "hf_padded", "hf_generate_batch_sized"] if args.small else list(SYSTEMS)
     args.requests = args.requests or setup["requests"]
     args.max_tokens = args.max_tokens or setup["max_tokens"]
     if args.worker:

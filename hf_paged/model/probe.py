@@ -211,7 +211,6 @@ def _window_fields(config) -> tuple:
                                                               "max_window_layers", "attention_chunk_size"))
 
 
-@torch.inference_mode()
 def _reference_attention(configs: list):
     """Where the model's own forward gives the reference logits: its configured attention, except that a model loaded
     with transformers' continuous-batching attention ("paged|eager") is compared with the plain one after the "|"
@@ -224,6 +223,7 @@ def _reference_attention(configs: list):
     return switched_attention(configs, next(iter(names)).split("|", 1)[1])
 
 
+@torch.inference_mode()
 def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackends) -> dict[int, tuple]:
     """Raise ValueError when the paged forward does not reproduce the model's own logits (see the module doc).
     Returns (sliding window, attention chunk) of each attention layer (layer -> pair, None: not limited that way)."""

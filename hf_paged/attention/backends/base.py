@@ -47,10 +47,11 @@ class AttentionBackend:
         if key_cache.element_size() == 1 and not self.fp8:
             return (f"the {self.name} backend does not read scaled fp8 caches ({key_cache.dtype}); "
                     "use the torch or triton backend")
-        if not self.strided_pages and not key_cache.is_contiguous():
+        reason = self.layout_reason(query, key_cache, metadata, sliding_window, softcap)
+        if reason is None and not self.strided_pages and not key_cache.is_contiguous():
             return (f"the {self.name} backend reads contiguous pages only; this layer's pages are strided apart "
                     f"(a model whose layers keep K/V of different shapes); the torch backend reads them")
-        return self.layout_reason(query, key_cache, metadata, sliding_window, softcap)
+        return reason
 
     def layout_reason(self, query: torch.Tensor, key_cache: torch.Tensor, metadata: AttentionMetadata,
                       sliding_window: int | None, softcap: float | None) -> str | None:

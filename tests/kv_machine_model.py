@@ -17,6 +17,7 @@ from hf_paged.kv import NULL_BLOCK, blocks_needed, held, released_prefix
 from hf_paged.kv import manager as kv_manager  # its hash_block: the colliding-keys variant patches it
 
 GARBAGE, ZERO, NAN = "garbage", "zero", "nan"
+MAX_SEQS = 6  # sequences the machine keeps at once (running, waiting or swapped)
 
 
 @dataclass(eq=False)
@@ -34,6 +35,8 @@ class Seq:
     num_computed_tokens: int = 0
     status: str = "waiting"  # waiting (new or preempted by recompute) | running | swapped
     host: list[int] = field(default_factory=list)  # while swapped: each group's entries in turn (RELEASED: not saved)
+    state_slot: int = -1  # its slot in the manager's StateSlots while running (a model with state layers)
+    swapped_state: dict | None = None  # its state in host memory while swapped (`StateSlots.save`)
 
     @property
     def num_tokens(self) -> int:
@@ -51,13 +54,29 @@ class Seq:
         """What group `group`'s K/V slot of token `position` holds once computed for this sequence."""
         return (group, self.salt, tuple(self.all_token_ids[:position + 1]))
 
+    def state_after(self, count: int) -> tuple:
+        """What a state layer's state holds once it has seen this sequence's first `count` tokens."""
+        return (self.salt, tuple(self.all_token_ids[:count]))
+
+    def snapshot(self) -> tuple:
+        """Every field a step may change (`Request.snapshot`): a failed step puts them back (`restore`)."""
+        return (self.status, self.num_computed_tokens, [list(t) for t in self.block_tables], len(self.all_token_ids),
+                len(self.block_hashes), self.num_published_blocks, list(self.host), self.state_slot,
+                self.swapped_state, self.stale_kv)
+
+    def restore(self, saved: tuple) -> None:
+        (self.status, self.num_computed_tokens, self.block_tables, num_tokens, num_hashes, self.num_published_blocks,
+         self.host, self.state_slot, self.swapped_state, self.stale_kv) = saved
+        del self.all_token_ids[num_tokens:]
+        del self.block_hashes[num_hashes:]
+
     def _repr_pretty_(self, printer, cycle) -> None:  # hypothesis prints draws with this
         printer.text(repr(self))
 
     def __repr__(self) -> str:
         return (f"Seq{self.name}({self.status}, salt={self.salt!r}, tokens={self.all_token_ids}, "
                 f"computed={self.num_computed_tokens}, published={self.num_published_blocks}, "
-                f"tables={self.block_tables}, host={self.host})")
+                f"tables={self.block_tables}, host={self.host}, state_slot={self.state_slot})")
 
 
 def chain_keys(tokens, salt, block_size: int, count: int) -> list[bytes]:

@@ -6,7 +6,8 @@ engine does: a *schedule* phase (running sequences give back the blocks behind t
 only if nothing was preempted, waiting sequences are admitted from their prefix hits and swapped sequences come back
 with `allocate_blocks`), then a *step* that applies the block moves in the engine's order (swap out, copy-on-write
 copies, clear, swap in), writes the scheduled tokens and updates (sample a token, fork, finish, a non-finite error
-that discards the contents); aborts come between steps.
+that discards the contents); aborts come between steps. A step may fail (in its schedule, block moves, forward or
+update) and is then undone as StepUndo undoes it (kv_machine_step.py).
 
 The manager coordinates a drawn layout of KV groups (one full-attention group, or mixes with sliding groups of
 small windows): every sequence has one table per group, all drawing from one pool; a sliding group gives back the
@@ -18,8 +19,16 @@ that went non-finite) or the K/V of one token in one group, named by (group, cac
 including it). So it checks end to end that a sequence's computed tokens are really in each group's table (every
 slot its window sees, and every block it still holds), whatever prefix hits, releases, copy-on-write, swaps and
 block reuse happened, and that no block a sequence holds ever holds garbage or NaN.
+
+A model with state layers may be drawn (kv_machine_states.py): the manager then gets the engine's state slots and
+checkpoints, the machine's forward runs the runner's state step on a stand-in state module, and the machine checks
+what every slot and checkpoint holds: a running sequence's slot (its own, exactly one) the state after exactly its
+computed tokens, through chunks, prefix hits, forks, swaps, recomputes, aborts and failed steps; a kept checkpoint
+the state after exactly its key's prefix; every slot free when idle.
 """
 from __future__ import annotations
+
+import os
 
 from hypothesis import HealthCheck, event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -31,17 +40,20 @@ from hf_paged.kv import NULL_BLOCK, KVCache, KVCacheManager, KVCacheSpec, blocks
 from hf_paged.kv.swap import SwapPool
 from kv_machine_groups import kv_groups, layouts, saved_blocks, swap_in_room, swapped_in_tables, swapped_layout
 from kv_machine_calls import KVCalls
-from kv_machine_model import GARBAGE, NAN, ZERO, KVInvariants, Seq, held_blocks
+from kv_machine_model import GARBAGE, MAX_SEQS, ZERO, KVInvariants, Seq
+from kv_machine_states import KVStates, StepFailed
+from kv_machine_step import KVStep
 
 SALTS = (None, "a", "b")
-MAX_SEQS = 6
 
 
-class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
+class KVMachine(KVCalls, KVInvariants, KVStates, KVStep, RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.seqs: list[Seq] = []
         self.names = 0
+        self.in_step = False  # between StepUndo.begin (the schedule's first change) and the step's commit or rollback
+        self.prompts: list[tuple[list[int], str | None]] = []  # every sequence's tokens when admitted (admit_again)
         self._new_plan()
 
     def _new_plan(self) -> None:
@@ -60,8 +72,9 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
         self.bs = block_size
         self.windows = data.draw(layouts(block_size, self.exact_hash), label="windows")
         num_blocks = per_group * len(self.windows)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching,
-                                 groups=kv_groups(self.windows))
+        states, checkpoints = self._setup_states(data, prefix_caching, MAX_SEQS)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, states=states,
+                                 checkpoints=checkpoints, groups=kv_groups(self.windows))
         assert self.kv.windows == list(self.windows) and self.kv.num_groups == len(self.windows)
         # the engine bounds the tokens one step computes for a sequence (its token budget): a releasing group then
         # holds a bounded number of blocks at once, and admission asks only for those (`group_bound`)
@@ -81,11 +94,6 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
     # ---- helpers ---------------------------------------------------------------------------------------------
     def _with(self, status: str, pred=lambda s: True) -> list[Seq]:
         return [s for s in self.seqs if s.status == status and pred(s)]
-
-    @property
-    def idle(self) -> bool:
-        """Between steps, with nothing scheduled yet (where aborts happen)."""
-        return not (self.plan or self.swap_out or self.swap_in or self.preempted or self.admitting)
 
     @property
     def may_grow(self) -> bool:
@@ -117,6 +125,7 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
     @rule(data=st.data())
     def grow(self, data):
         """A running sequence gets slots for its next chunk (copy-on-write of a shared block included)."""
+        self._begin_step()
         seq = data.draw(st.sampled_from(self._growable()), label="seq")
         self.considered.add(seq.name)
         self._release_behind(seq, seq.num_computed_tokens)  # Scheduler.schedule, before each running one's slots
@@ -152,6 +161,7 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
         host = self.swap.allocate(len(device))
         assert len(set(host)) == len(device)
         self.swap_out.append((self.kv.current_contents(device), host))
+        self._save_state(seq)
         self._unplan(seq)
         self.kv.free(seq)
         seq.host, seq.status = swapped_layout(host, released, seq.num_computed_tokens, self.bs), "swapped"
@@ -167,6 +177,7 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
     @rule(data=st.data())
     def preempt(self, data):
         """A running sequence loses its device blocks: copied to host swap space, or recomputed later."""
+        self._begin_step()
         self._preempt(data.draw(st.sampled_from(self._preemptable()), label="victim"), data)
 
     @precondition(lambda self: self.may_grow and self._growable())
@@ -174,6 +185,7 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
     def schedule_running(self, data):
         """Scheduler.schedule's running loop: decodes first, then prefill chunks; when a sequence cannot get its
         slots, a running sequence is preempted (by swap or recompute; maybe one already placed, maybe itself)."""
+        self._begin_step()
         ready = self._growable()
         for seq in sorted(ready, key=lambda s: s.num_tokens - s.num_computed_tokens != 1):
             if seq.status != "running":
@@ -197,6 +209,7 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
     def release(self, data):
         """Scheduler.schedule gives back, before a running sequence's slots, the blocks behind each sliding group's
         window from its next query (at num_computed_tokens); here from any position up to there."""
+        self._begin_step()
         seq = data.draw(st.sampled_from(self._releasable()), label="seq")
         self._release_behind(seq, data.draw(st.integers(0, seq.num_computed_tokens), label="position"))
 
@@ -226,6 +239,7 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
         refs, free = {b.block_id: b.ref_count for b in taken}, self.kv.num_free_blocks
         covered = self.kv.admit(seq, hits)
         assert covered == len(hits) * self.bs
+        self._state_after_admit(seq, covered)
         assert seq.block_tables == [[NULL_BLOCK if row[g] is None else row[g].block_id for row in hits]
                                     for g in range(len(self.windows))]
         assert all(self.pool.blocks[b].ref_count == refs[b] + 1 for b in refs)
@@ -241,19 +255,31 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
     @precondition(lambda self: self.may_admit and len(self.seqs) < MAX_SEQS)
     @rule(data=st.data(), prompt=st.lists(st.integers(1, 2), min_size=1, max_size=12), salt=st.sampled_from(SALTS))
     def admit_new(self, data, prompt, salt):
+        self._begin_step()
         self.names += 1
         seq = Seq(self.names, list(prompt), len(prompt), salt)
         self.seqs.append(seq)
+        self.prompts.append((list(seq.all_token_ids), salt))
         self._admit(seq, data)
+
+    @precondition(lambda self: self.may_admit and len(self.seqs) < MAX_SEQS and self.prompts)
+    @rule(data=st.data(), tail=st.lists(st.integers(1, 2), max_size=6))
+    def admit_again(self, data, tail):
+        """A new sequence starting with (some of) the tokens of one seen before, with its salt: prefix hits."""
+        tokens, salt = data.draw(st.sampled_from(self.prompts), label="like")
+        prompt = tokens[:data.draw(st.integers(0, len(tokens)), label="kept")] + tail
+        self.admit_new(data, prompt or [1], salt)
 
     @precondition(lambda self: self.may_admit and self._with("waiting"))
     @rule(data=st.data())
     def readmit(self, data):
+        self._begin_step()
         self._admit(data.draw(st.sampled_from(self._with("waiting")), label="waiting"), data)
 
     @precondition(lambda self: self.may_admit and self._with("swapped"))
     @rule(data=st.data())
     def swap_back_in(self, data):
+        self._begin_step()
         seq = data.draw(st.sampled_from(self._with("swapped")), label="swapped")
         self.admitting = True
         n = self._chunk(seq, data)  # Scheduler._admit picks the chunk first, then asks _swap_in for room for it
@@ -266,6 +292,7 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
         assert len(set(device)) == len(device) and NULL_BLOCK not in device
         assert all(self.pool.blocks[b].ref_count == 1 for b in device)
         seq.block_tables = swapped_in_tables(seq.host, device, len(self.windows))  # released runs: the null block
+        self._load_state(seq)
         self.swap_in.append((host, list(device), seq))
         seq.host, seq.status = [], "running"
         assert self._allocate(seq, n), "Scheduler._swap_in checked room for its first chunk"
@@ -275,109 +302,42 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
         self.plan.append([seq, n])
 
     # ---- the step: block moves in the engine's order, then the forward pass writes -----------------------------
-    @precondition(lambda self: not self.idle)
+    @precondition(lambda self: self.in_step)
     @rule(data=st.data())
     def step(self, data):
-        """The step's block moves and forward pass, then right away Scheduler.update (`_update`): nothing happens
-        between a pass and its update (one rule, so that swarm testing never switches the update off alone)."""
-        for device_ids, host_ids in self.swap_out:
-            for d, h in zip(device_ids, host_ids):
-                self.host_content[h] = list(self.content[d])
-        # KVMemory.apply: copy-on-write copies before clearing (a copy's source freed and handed out again in this
-        # step may be cleared), and no clearing of a copy's destination (the copy fills it whole)
-        cleared, copies = self.kv.take_blocks_to_clear(), self.kv.take_copies()
-        assert NULL_BLOCK not in cleared
-        for src, dst in copies:
-            assert NULL_BLOCK not in (src, dst) and src != dst
-            self.content[dst] = list(self.content[src])
-        if set(cleared) & {src for src, _ in copies}:
-            event("a copy-on-write source handed out again and cleared in the same step")
-        for b in set(cleared) - {dst for _, dst in copies}:
-            self.content[b] = [ZERO] * self.bs
-        swap_in, self.swap_in = self.swap_in, []
-        for host_ids, device_ids, _ in swap_in:
-            for h, d in zip(host_ids, device_ids):
-                self.content[d] = list(self.host_content[h])
-            self.swap.free(host_ids)
-        # nothing a sequence holds may be uninitialised or NaN when the forward pass reads it (masked slots too)
-        for seq in self._with("running"):
-            for b in held_blocks(seq):
-                assert GARBAGE not in self.content[b] and NAN not in self.content[b], \
-                    f"{seq} holds block {b} = {self.content[b]} in a forward pass"
-        self.written = {}
+        """The end of the schedule (checkpoints reserved), the step's block moves and forward pass, then right away
+        Scheduler.update (`_update`): nothing happens between a pass and its update (one rule, so that swarm testing
+        never switches the update off alone). The step may fail at any of these; it is then undone (`_fail`)."""
+        where = {28: "schedule", 29: "block moves", 30: "forward", 31: "update"}.get(
+            data.draw(st.integers(0, 31), label="failure"))  # one step in eight fails
+        cuts = self._reserve_checkpoints()
+        if where == "schedule":
+            return self._fail(where)
+        self._moves()
+        if where == "block moves":
+            return self._fail(where)
+        self._write_kv()
+        try:
+            self._state_forward(cuts, data.draw(st.integers(0, 6), label="failing call") if where == "forward"
+                                else None)
+        except StepFailed:
+            return self._fail(where)
         for seq, n in self.plan:
-            start = seq.num_computed_tokens
-            for g, table in enumerate(seq.block_tables):  # every group computes every token's K/V
-                assert len(table) * self.bs >= start + n
-                for p in range(start, start + n):
-                    b = table[p // self.bs]
-                    block = self.pool.blocks[b]
-                    assert b != NULL_BLOCK, f"{seq} writes group {g}'s token {p} into the null block"
-                    assert block.ref_count == 1, f"{seq} writes token {p} into block {b} shared by {block.ref_count}"
-                    assert block.block_hash is None, f"{seq} writes into block {b}, which is in the prefix map"
-                    self.content[b][p % self.bs] = seq.kv_of(p, g)
-                    self.written.setdefault(seq.name, set()).add(b)
             seq.num_computed_tokens += n
             self._publish(seq)
         completed = [seq for seq, _ in self.plan if seq.num_computed_tokens == seq.num_tokens]
         self._new_plan()
         self._check_common_prefixes()
         if completed:
-            for check in (self.bookkeeping, self.prefix_map, self.sequences, self.bounded, self.swap_pool):
+            for check in (self.bookkeeping, self.prefix_map, self.sequences, self.bounded, self.swap_pool,
+                          self.state_slots, self.state_checkpoints):
                 check()  # the invariants hold between the pass and its update too
-            self._update(completed, data)
+            self._update(completed, data, failing=where == "update")
+        if where == "update":
+            return self._fail(where)
+        self._commit()
 
-    # ---- update: right after the step, then between steps ---------------------------------------------------------
-    def _fork(self, parent: Seq) -> Seq:
-        """Another sample starts from `parent`'s just-computed tokens (Scheduler._start_fork)."""
-        self.names += 1
-        child = Seq(self.names, list(parent.all_token_ids), parent.prompt_len, parent.salt)
-        shared = held_blocks(parent)
-        refs = [self.pool.blocks[b].ref_count for b in shared]
-        self.kv.fork(parent, child)
-        assert child.block_tables == parent.block_tables
-        assert not any(c is p for c in child.block_tables for p in parent.block_tables)
-        assert [self.pool.blocks[b].ref_count for b in shared] == [r + 1 for r in refs]
-        assert child.num_published_blocks == parent.num_published_blocks
-        child.num_computed_tokens, child.status = parent.num_computed_tokens, "running"
-        self.seqs.append(child)
-        return child
-
-    def _release(self, seq: Seq) -> None:
-        self.kv.free(seq)
-        assert seq.block_tables == [] and seq.num_published_blocks == 0
-        if seq.host:
-            self.swap.free([h for h in seq.host if h != RELEASED])
-            seq.host = []
-        self.seqs.remove(seq)
-
-    def _update(self, completed: list[Seq], data) -> None:
-        """Scheduler.update: each sequence the step completed samples from its logits row. More samples may fork
-        from it first (n > 1: they share that row); then a non-finite row ends all of them and discards their K/V,
-        or each gets its next token or finishes."""
-        for parent in completed:
-            row = [parent]
-            room = MAX_SEQS - len(self.seqs)
-            if room and data.draw(st.booleans(), label=f"fork Seq{parent.name}"):
-                event("fork")
-                row += [self._fork(parent) for _ in range(data.draw(st.integers(1, room), label="children"))]
-            if data.draw(st.integers(0, 11), label="row outcome") == 0:
-                event("non-finite")
-                for b in self.written.get(parent.name, ()):
-                    self.content[b] = [NAN] * self.bs  # what the pass wrote may be NaN (only this row holds it)
-                for seq in row:
-                    self.kv.discard_contents(seq)
-                    assert all(self.pool.blocks[b].block_hash is None for b in held_blocks(seq))
-                    self._release(seq)
-                continue
-            for seq in row:
-                token = data.draw(st.integers(0, 11), label=f"token for Seq{seq.name}")
-                if token == 0:
-                    self._release(seq)  # it stopped
-                else:
-                    seq.all_token_ids.append(1 + token % 2)
-
-    @precondition(lambda self: self.idle and self.seqs)
+    @precondition(lambda self: not self.in_step and self.seqs)
     @rule(data=st.data())
     def abort(self, data):
         """A sequence is aborted between steps, wherever it is (running, waiting or swapped)."""
@@ -386,6 +346,8 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "kv"):  # hypothesis can stop before the initialize rule ran
             return
+        if self.in_step:
+            self._commit()
         for host_ids, _, _ in self.swap_in:
             self.swap.free(host_ids)
         for seq in list(self.seqs):
@@ -393,11 +355,14 @@ class KVMachine(KVCalls, KVInvariants, RuleBasedStateMachine):
         self.kv.take_blocks_to_clear()
         self.kv.take_copies()
         self.pool.check_all_free()
+        self._states_all_free()
         assert self.swap.num_free == self.swap.num_blocks
         assert not self.pool.cached or all(b.ref_count == 0 for b in self.pool.cached.values())
 
 
-SETTINGS = settings(max_examples=300, stateful_step_count=100, deadline=None,
+# KV_MACHINE_EXAMPLES raises the run locally (e.g. KV_MACHINE_EXAMPLES=5000 with --hypothesis-seed)
+SETTINGS = settings(max_examples=int(os.environ.get("KV_MACHINE_EXAMPLES", 400)), stateful_step_count=100,
+                    deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 KVMachine.TestCase.settings = SETTINGS
 TestKV = KVMachine.TestCase

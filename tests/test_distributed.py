@@ -152,3 +152,8 @@ def test_data_parallel_two_cpu_processes(ranks, one_torch_thread):
 if __name__ == "__main__":
     dp_worker(sys.argv[1])
     tp_worker(sys.argv[1])
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # transformers' tensor-parallel loading made subgroups of its own: all go, in step
+        dist.barrier()
+        dist.destroy_process_group()

@@ -39,6 +39,21 @@ def prompts(lengths=(5, 11, 17, 9), seed=1):
     return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
 
 
+def worst_logprob_gap(model, batch, outs, new: int) -> float:
+    """Checks every prompt's tokens equal HF's own greedy `generate`; returns the largest gap between a generated
+    token's log-prob and HF's."""
+    worst = 0.0
+    for prompt, out in zip(batch, outs):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        sample = out.outputs[0]
+        assert list(sample.token_ids) == ref.sequences[0, len(prompt):].tolist()
+        for step, token in enumerate(sample.token_ids):
+            want = torch.log_softmax(ref.logits[step][0].float(), -1)[token].item()
+            worst = max(worst, abs(sample.logprobs[step][token] - want))
+    return worst
+
+
 def test_a_shared_attention_block_keeps_each_calls_kv_apart(zamba):
     """zamba's one attention block serves several layers (its `layer_idx` is None: the caller hands each call's layer
     index to the cache only); the engine stores each call's K/V apart, by its place in the forward. A tiny random zamba
@@ -51,15 +66,7 @@ def test_a_shared_attention_block_keeps_each_calls_kv_apart(zamba):
                        max_num_seqs=3, preemption_mode="recompute")
     outs = llm.generate(batch, params, use_tqdm=False)
     assert llm.stats()["num_preemptions"] > 0
-    worst = 0.0
-    for prompt, out in zip(batch, outs):
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        sample = out.outputs[0]
-        assert list(sample.token_ids) == ref.sequences[0, len(prompt):].tolist()
-        for step, token in enumerate(sample.token_ids):
-            want = torch.log_softmax(ref.logits[step][0].float(), -1)[token].item()
-            worst = max(worst, abs(sample.logprobs[step][token] - want))
+    worst = worst_logprob_gap(model, batch, outs, new=12)
     assert worst < 2e-6, worst
     assert model.generate(torch.tensor([batch[0]]), max_new_tokens=2, cache_implementation="paged",
                           return_dict_in_generate=True).cache is None  # HF's cache keys its K/V by the calling layer
@@ -79,14 +86,6 @@ def test_two_attention_calls_per_layer_keep_their_own_kv(diffllama, mode):
     outs = llm.generate(batch, params, use_tqdm=False)
     stats = llm.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0, stats
-    worst = 0.0
-    for prompt, out in zip(batch, outs):
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        sample = out.outputs[0]
-        assert list(sample.token_ids) == ref.sequences[0, len(prompt):].tolist()
-        for step, token in enumerate(sample.token_ids):
-            want = torch.log_softmax(ref.logits[step][0].float(), -1)[token].item()
-            worst = max(worst, abs(sample.logprobs[step][token] - want))
+    worst = worst_logprob_gap(model, batch, outs, new=10)
     assert worst < 1e-4, worst
     llm.engine.check_idle()

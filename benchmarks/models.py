@@ -68,7 +68,10 @@ SIZES = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2,
          "mamba_headdim": 16, "mamba_dt_rank": 4, "adapter_rank": 8, "linear_num_heads": 4, "linear_head_dim": 16}
 # sizes whose names other types use for something else, or that a config derives from its full-size hidden size
 ZAMBA = {"attention_hidden_size": 128, "attention_head_dim": 32}  # 2 x hidden, split over the 4 heads
-TYPE_SIZES = {"mamba2": {"num_heads": 8}, "rwkv": {"attention_hidden_size": 64}, "zamba": ZAMBA, "zamba2": ZAMBA}
+# recurrent_gemma: its recurrent block's convolution state is sized by hidden_size but holds lru_width channels (equal
+# at full size); left at 2560, HF's own generate fails on a 1-token prompt, and so does the engine's start-up check
+TYPE_SIZES = {"mamba2": {"num_heads": 8}, "rwkv": {"attention_hidden_size": 64}, "zamba": ZAMBA, "zamba2": ZAMBA,
+              "recurrent_gemma": {"lru_width": 64}}
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers")
 SUB_CONFIGS = ("encoder_config", "decoder_config", "global_config", "patcher_config")  # blt's, shrunk like the rest
 MARGIN = 1e-3

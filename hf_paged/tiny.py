@@ -96,6 +96,20 @@ HYBRIDS = {
     # prompts span several of the block-wise prefill's blocks
     "minimax": dict(layer_types=["linear_attention"] * 7 + ["full_attention"], num_hidden_layers=8, head_dim=16,
                     num_local_experts=2, block_size=8),
+    # state kept outside the cache calls (model/own_state.py): recurrent_gemma's recurrent blocks on themselves, with
+    # a local-attention layer of a window shorter than the longer prompts (its own 2 : 1 pattern, 4 layers); rwkv's
+    # blocks in the state list its forward passes down (halving the hidden states every 2 layers, as its own
+    # `rescale_every` does)
+    "recurrent_gemma": dict(block_types=["recurrent", "recurrent", "attention"], attention_window_size=16,
+                            head_dim=16, lru_width=64),
+    "rwkv": dict(attention_hidden_size=64, rescale_every=2),
+    # sliding-window and full attention layers (3 : 1), each with four short convolutions (two inside its attention)
+    # and a learned relative-position bias (its extent shorter than the longer prompts); logits not divided by the
+    # full-size width multiplier (24), so that a sharpened head gives clear margins
+    "inkling_text": dict(local_layer_ids=[0, 1, 2], head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                         swa_head_dim=16, sliding_window_size=8, d_rel=4, rel_extent=6, moe_intermediate_size=32,
+                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                         logits_mup_width_multiplier=1.0),
 }
 
 

@@ -170,15 +170,19 @@ def test_streaming_api_add_step_abort(llama):
 
 
 def test_unsupported_models_get_a_clear_error():
-    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig, T5Config, T5ForConditionalGeneration
+    from transformers import AutoModelForCausalLM, DeepseekV32Config, T5Config, T5ForConditionalGeneration
 
-    # recurrent_gemma keeps its recurrent state inside its modules, not through a cache (mamba, minimax & co. are
-    # served: test_hybrid_engine)
-    recurrent_gemma = AutoModelForCausalLM.from_config(RecurrentGemmaConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-        intermediate_size=16, lru_width=16, attention_window_size=8)).eval()
-    with pytest.raises(ValueError, match="recurrent_gemma.*whose state hf_paged cannot hold"):
-        LLM(recurrent_gemma)
+    # deepseek_v32's indexed attention keeps an indexer's keys beside its K/V and attends a top-k of them (HF runs it;
+    # state layers of mamba, minimax, recurrent_gemma, rwkv & co. are served: test_hybrid_engine)
+    deepseek_v32 = AutoModelForCausalLM.from_config(DeepseekV32Config(
+        vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=2, num_experts_per_tok=1, n_group=1,
+        topk_group=1, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        head_dim=8, index_topk=4, index_head_dim=8, index_n_heads=2, first_k_dense_replace=1,
+        max_position_embeddings=64)).eval()
+    assert deepseek_v32.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
+    with pytest.raises(ValueError, match="deepseek_v32.*'indexed_attention'.*whose state hf_paged cannot hold"):
+        LLM(deepseek_v32)
     t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
     with pytest.raises(ValueError, match="encoder-decoder"):
         t5.generate(torch.tensor([[1, 2]]), max_new_tokens=2, cache_implementation="paged")

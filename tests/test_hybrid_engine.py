@@ -16,6 +16,7 @@ import hf_paged.model.spec as model_spec
 import hf_paged.model.state_layers as state_layers
 from hf_paged.model.state_continuation import continuation_modes
 from hf_paged.model.state_layers import AS_IS, KEEP_STATES, TOKEN_BY_TOKEN, StateView
+from hf_paged.model.own_state import own_state_modules
 from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import HYBRIDS, tiny_hybrid
 
@@ -23,9 +24,15 @@ from conftest import assert_same_as_hf, left_padded_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models: one thread, no spinning on a busy machine
 FAMILIES = sorted(HYBRIDS)
-PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2", "mamba", "falcon_mamba", "zamba", "minimax")
+PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2", "mamba", "falcon_mamba", "zamba", "minimax", "inkling_text",
+           "recurrent_gemma", "rwkv")
 # Mamba-1: their own scan drops the previous state for a multi-token input (state_continuation)
 MAMBA_1 = ("mamba", "falcon_mamba", "jamba")
+# their own multi-token path starts the convolution from zeros: continuations token by token (model/own_state.py)
+CONV_RESTART = ("recurrent_gemma",)
+# HF's own padded batch is no reference: its forward feeds the padding through its state and its batched single-token
+# step mixes sequences (tests/test_own_state.py compares each prompt with HF's generate on it alone)
+NO_BATCH_REFERENCE = ("rwkv",)
 
 
 @pytest.fixture(autouse=True)
@@ -43,9 +50,9 @@ def poisoned_free_slots(monkeypatch):
     monkeypatch.setattr(StateSlots, "free", free)
     write = StateSlots.write
 
-    def poisoned_write(self, key, slots, values):  # a slot's state tensor starts as garbage, not zeros
+    def poisoned_write(self, key, slots, values, *rest):  # a slot's state tensor starts as garbage, not zeros
         new = key not in self.tensors
-        write(self, key, slots, values)
+        write(self, key, slots, values, *rest)
         if new:
             with torch.inference_mode():
                 rest = torch.ones(self.capacity, dtype=torch.bool)
@@ -64,8 +71,24 @@ def models():
             built[model_type] = tiny_hybrid(model_type)
             if model_type in MAMBA_1:
                 strong_state(built[model_type])
+            if model_type == "inkling_text":
+                strong_relative_bias(built[model_type])
         return built[model_type]
     return get
+
+
+def strong_relative_bias(model, sharpen=2.0, scale=50.0, output=20.0):
+    """A tiny random inkling's attention barely reaches its tokens (it attends almost uniformly, its relative-position
+    bias is ~1 % of its scores, its output projection small beside the residual): queries and keys `sharpen` times
+    larger, the bias bank `scale` times, the output projection `output` times, so that the attention's keys (from
+    the short convolutions inside it) and its bias (distances, extent) show in the tokens."""
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "rel_logits_proj"):
+                module.q_norm.weight.mul_(sharpen)
+                module.k_norm.weight.mul_(sharpen)
+                module.rel_logits_proj.proj.mul_(scale)
+                module.o_proj.weight.mul_(output)
 
 
 def strong_state(model, scale=4.0):
@@ -93,7 +116,7 @@ def run(model, prompt_list, params, **options):
 GREEDY = hf_paged.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f not in NO_BATCH_REFERENCE])
 def test_generate_takeover_matches_hf(models, engine_runs, model_type):
     """`generate(cache_implementation="paged")` on a left-padded batch of 3 prompts runs on the engine and gives
     HF's own greedy tokens."""
@@ -119,7 +142,7 @@ def test_pressure_gives_the_unpressured_tokens(models, model_type):
     assert stats["num_preemptions"] > 0 and stats["num_recomputed_tokens"] > 0
 
 
-@pytest.mark.parametrize("model_type", ("qwen3_5_text", "falcon_h1", "minimax"))
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "falcon_h1", "minimax", "inkling_text", "recurrent_gemma"))
 def test_swap_saves_the_state(models, model_type):
     """Preempted by swap: the blocks and the state go to host memory and come back; the same tokens."""
     model = models(model_type)
@@ -131,7 +154,7 @@ def test_swap_saves_the_state(models, model_type):
     assert stats["num_swap_outs"] > 0 and stats["num_swap_ins"] > 0 and stats["num_recomputed_tokens"] == 0
 
 
-@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "minimax"))
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "minimax", "inkling_text", "recurrent_gemma", "rwkv"))
 def test_n_samples_fork_the_state(models, model_type):
     """n=3 seeded samples fork from one computed prompt (the state copied to each sample's slot): each sample equals
     the same seeded request run alone."""
@@ -211,7 +234,8 @@ def shared_prefix_batch(prefix_len=24, suffixes=(3, 5, 2, 6), seed=4):
     return [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in suffixes]
 
 
-@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "minimax"))
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "mamba2", "falcon_h1", "mamba", "falcon_mamba", "minimax",
+                                        "inkling_text", "recurrent_gemma", "rwkv"))
 def test_prefix_hits_restore_the_state(models, model_type):
     """Prompts sharing 24 tokens (6 blocks of 4): the state after every 2nd block and after each prompt's last full
     block is checkpointed; later prompts start from the checkpoint at the hit point. Same tokens as without prefix
@@ -339,11 +363,13 @@ def test_a_prompt_ending_in_a_one_token_chunk_writes_its_checkpoint(models):
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_each_state_module_continues_in_the_cheapest_exact_mode(models, model_type):
-    """Mamba-1 mixers continue a state only when asked to keep every token's state (their recurrent form); every
-    other family's module continues it as it is, at no cost."""
+    """Mamba-1 mixers continue a state only when asked to keep every token's state (their recurrent form),
+    recurrent_gemma's recurrent blocks only token by token; every other family's module continues it as it is, at no
+    cost."""
     model = models(model_type)
-    modes = set(continuation_modes(model, find_state_modules(model)).values())
-    assert modes == ({KEEP_STATES} if model_type in MAMBA_1 else {AS_IS})
+    modes = set(continuation_modes(model, {**find_state_modules(model), **own_state_modules(model)}).values())
+    assert modes == ({KEEP_STATES} if model_type in MAMBA_1 else {TOKEN_BY_TOKEN} if model_type in CONV_RESTART
+                     else {AS_IS})
 
 
 @pytest.mark.parametrize("span", (state_layers.KEEP_SPAN, 3))

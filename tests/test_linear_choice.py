@@ -90,6 +90,7 @@ class Paths:
 
 
 def test_time_paths_keeps_each_paths_best_round_and_bounds_the_rounds(monkeypatch):
+    monkeypatch.setattr(linear_choice, "LONG_S", float("inf"))  # the costs here are seconds: no long-call rule
     paths = Paths(monkeypatch, {"slow": [3.0, 5.0, 7.0], "fast": [5.0, 6.0, 4.0]})  # warm-up, then rounds
     seconds, spent = time_paths(paths.runs(), budget=0.0)
     assert paths.calls == {"slow": 1 + MIN_ROUNDS, "fast": 1 + MIN_ROUNDS}  # expensive: the fewest rounds
@@ -102,6 +103,7 @@ def test_time_paths_keeps_each_paths_best_round_and_bounds_the_rounds(monkeypatc
 
 
 def test_time_paths_drops_a_candidate_far_behind_twice(monkeypatch):
+    monkeypatch.setattr(linear_choice, "LONG_S", float("inf"))  # the costs here are seconds: no long-call rule
     # warm-up, round 1, round 2: w_xt is 2.5x behind twice (out after round 1); f_linear only once (stays)
     paths = Paths(monkeypatch, {"kernel": [1.0, 1.0, 0.75], "w_xt": [2.5, 2.75, 0.125], "f_linear": [4.0, 1.25, 2.0]})
     seconds, _ = time_paths(paths.runs(), budget=0.0)
@@ -111,6 +113,17 @@ def test_time_paths_drops_a_candidate_far_behind_twice(monkeypatch):
     seconds, spent = time_paths(paths.runs(), budget=1e9)
     assert paths.calls == dict.fromkeys(paths.costs, 2) and seconds == {"kernel": 1.0, "w_xt": 2.5, "f_linear": 3.0}
     assert spent == 13.0
+
+
+def test_time_paths_drops_a_candidate_closer_behind_on_long_calls(monkeypatch):
+    """Calls of LONG_S and more (an LM head): 1.3x behind twice is out; on short calls it stays."""
+    long = {"kernel": [0.02, 0.02, 0.02], "w_xt": [0.026, 0.026, 0.02], "f_linear": [0.03, 0.022, 0.02]}
+    paths = Paths(monkeypatch, long)
+    time_paths(paths.runs(), budget=0.0)
+    assert paths.calls == {"kernel": 1 + MIN_ROUNDS, "w_xt": 2, "f_linear": 1 + MIN_ROUNDS}
+    paths = Paths(monkeypatch, {name: [t / 100 for t in times] for name, times in long.items()})
+    time_paths(paths.runs(), budget=0.0)
+    assert paths.calls == dict.fromkeys(long, 1 + MIN_ROUNDS)
 
 
 def test_a_fast_path_must_beat_f_linear_by_the_margin_and_ties_go_to_the_first():

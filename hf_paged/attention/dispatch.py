@@ -8,6 +8,8 @@ soft-cap), so a decision is made once per kind of call, not per layer per step, 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..config import ATTENTION_BACKENDS
@@ -95,11 +97,11 @@ class AttentionBackends:
         if scale is None:
             scale = query.shape[-1] ** -0.5
         if sinks is not None:
-            extras = LayerExtras(sinks, extras.alibi_slopes, extras.chunk_size) if extras else LayerExtras(sinks)
+            extras = dataclasses.replace(extras, sinks=sinks) if extras else LayerExtras(sinks)
         backend = self.backend_for(query, key_cache, metadata, sliding_window, softcap)
         if extras is not None and extras.any():
             if not extras.names() <= backend.extras:
-                backend = self._extras_backend(query, key_cache, metadata, sliding_window, softcap)
+                backend = self._extras_backend(query, key_cache, metadata, sliding_window, softcap, extras.names())
                 if not backend.graph_capturable and query.is_cuda and torch.cuda.is_current_stream_capturing():
                     raise RuntimeError(f"a layer with {sorted(extras.names())} runs on the {backend.name} backend, "
                                        f"which cannot be replayed in a CUDA graph")
@@ -124,13 +126,13 @@ class AttentionBackends:
                 return backend
         return self._candidate("torch")
 
-    def _extras_backend(self, query, key_cache, metadata, sliding_window, softcap) -> AttentionBackend:
-        """For a layer with extras the chosen backend lacks (cuda, flash*): triton where it can serve the call (it
-        implements every extra, and a CUDA-graph replay may include it), else torch (which implements all)."""
+    def _extras_backend(self, query, key_cache, metadata, sliding_window, softcap, names) -> AttentionBackend:
+        """For a layer with extras `names` the chosen backend lacks (cuda, flash*): triton where it implements them and
+        can serve the call (a CUDA-graph replay may include it), else torch (which implements all)."""
         if self.device.type != "cpu":
             triton = self._candidate("triton")
-            if triton is not None and triton.unsupported_reason(query, key_cache, metadata, sliding_window,
-                                                                softcap) is None:
+            if triton is not None and names <= triton.extras and triton.unsupported_reason(
+                    query, key_cache, metadata, sliding_window, softcap) is None:
                 return triton
         return self._candidate("torch")
 

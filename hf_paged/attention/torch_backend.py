@@ -5,17 +5,19 @@ attention/backends/torch_sdpa.py, calls `torch_paged_attention`). Also the cache
 Dense groups (see `SequenceGroupPlan`): gather the group's pages into [G, L, H_kv, D] with one
 index_select per cache, attend with a bool mask through SDPA (GQA without repeating K/V), and scatter
 the rows back. Fresh prompts attend over their own new K/V with causal SDPA (no gather, no padding,
-masked-out blocks skipped). Soft-capped logits, ALiBi and attention sinks (`LayerExtras`) take a matmul path that
-views each GQA group's query heads as rows of one matrix, so every K/V head is still read once; attention chunks
-only change the mask.
+masked-out blocks skipped). Soft-capped logits, ALiBi, relative-position logits and attention sinks (`LayerExtras`)
+take a matmul path that views each GQA group's query heads as rows of one matrix, so every K/V head is still read
+once; attention chunks only change the mask. Relative-position logits never reach the native decode kernel.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
 
 from .cpu_kernel import load_cpu_kernel, usable
-from .extras import LayerExtras, alibi_bias
+from .extras import LayerExtras, alibi_bias, relative_bias
 from .extras import allowed as allowed_mask
 from .metadata import AttentionMetadata, SequenceGroupPlan
 
@@ -71,21 +73,29 @@ def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     k, v = dequantize(k, q.dtype, kv_scales[0]), dequantize(v, q.dtype, kv_scales[1])
     chunk = extras.chunk_size if extras is not None else None
     allowed = plan.mask(sliding_window, chunk)  # [G, 1, Q, L]
-    if softcap or (extras is not None and (extras.sinks is not None or extras.alibi_slopes is not None)):
+    if softcap or _scored(extras):
         positions = (plan.positions(), torch.arange(plan.kv_len, device=q.device))
-        out = _explicit(q, k, v, allowed, scale, softcap, extras, positions)
+        rows = None if extras is None else extras.relative_logits
+        relative = None if rows is None else rows[plan.query_index]  # [G, Q, H, E]
+        out = _explicit(q, k, v, allowed, scale, softcap, extras, positions, relative)
     else:
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
                                              enable_gqa=True)
     return out.transpose(1, 2).reshape(groups * max_q, num_heads, head_dim)[plan.valid]
 
 
+def _scored(extras: LayerExtras | None) -> bool:
+    """Whether `extras` change the scores themselves (sinks, ALiBi, relative logits): only `_explicit` has them."""
+    return extras is not None and not extras.names() <= {"chunked"}
+
+
 def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-              softcap: float | None, extras: LayerExtras | None = None, positions: tuple | None = None
-              ) -> torch.Tensor:
-    """Attention with explicit scores: tanh logit soft-capping, ALiBi and / or per-head attention sinks (SDPA has
-    none of them; see LayerExtras for their definitions). q [B, H, Q, D]; k, v [B, H_kv, L, D]; `positions`:
-    (query positions [B, Q], key positions [L]) for ALiBi. Query heads are viewed as [H_kv, heads_per_kv * Q] rows
+              softcap: float | None, extras: LayerExtras | None = None, positions: tuple | None = None,
+              relative: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention with explicit scores: tanh logit soft-capping, ALiBi, relative-position logits and / or per-head
+    attention sinks (SDPA has none of them; see LayerExtras for their definitions). q [B, H, Q, D]; k, v
+    [B, H_kv, L, D]; `positions`: (query positions [B, Q], key positions [L]) for ALiBi and relative logits;
+    `relative`: each query's relative logits [B, Q, H, E]. Query heads are viewed as [H_kv, heads_per_kv * Q] rows
     so each K/V head is read once per group."""
     batch, num_heads, max_q, head_dim = q.shape
     num_kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -98,6 +108,9 @@ def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     scores = scores.view(batch, num_kv_heads, per_kv, max_q, kv_len)
     if extras is not None and extras.alibi_slopes is not None:
         bias = alibi_bias(extras.alibi_slopes, positions[0], positions[1])  # [B, H, Q, L]
+        scores = scores + bias.to(dtype).view(batch, num_kv_heads, per_kv, max_q, kv_len)
+    if relative is not None:
+        bias = relative_bias(relative, positions[0], positions[1])  # [B, H, Q, L]
         scores = scores + bias.to(dtype).view(batch, num_kv_heads, per_kv, max_q, kv_len)
     scores = scores.masked_fill(~allowed[:, :, None], float("-inf"))
     if extras is not None and extras.sinks is not None:
@@ -112,15 +125,17 @@ def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
 def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
                   sliding_window: int | None, softcap: float | None, extras: LayerExtras | None = None
                   ) -> torch.Tensor:
-    """One prompt with nothing cached: q [L, H, D], k/v [L, H_kv, D] -> [L, H, D]."""
+    """One prompt with nothing cached: q [L, H, D], k/v [L, H_kv, D] -> [L, H, D] (`extras.relative_logits`, if any:
+    this prompt's rows)."""
     length = query.shape[0]
     q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, L, D]
     pos = torch.arange(length, device=query.device)
     chunk = extras.chunk_size if extras is not None else None
     limited = bool(sliding_window and sliding_window < length) or bool(chunk and chunk < length)
-    if softcap or (extras is not None and (extras.sinks is not None or extras.alibi_slopes is not None)):
+    if softcap or _scored(extras):
         mask = allowed_mask(pos, pos, sliding_window, chunk)
-        out = _explicit(q, k, v, mask[None, None], scale, softcap, extras, (pos[None], pos))
+        relative = None if extras is None or extras.relative_logits is None else extras.relative_logits[None]
+        out = _explicit(q, k, v, mask[None, None], scale, softcap, extras, (pos[None], pos), relative)
     elif limited:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,
                                              attn_mask=allowed_mask(pos, pos, sliding_window, chunk))
@@ -141,7 +156,7 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     LayerExtras too). `extras`: sinks / ALiBi / attention chunks of this layer (None: plain attention)."""
     if extras is not None and not extras.any():
         extras = None
-    use_native = native_decode and usable(query, key_cache)
+    use_native = native_decode and usable(query, key_cache) and (extras is None or extras.relative_logits is None)
     native = load_cpu_kernel() if use_native else None
     if key_cache.dtype in FP8_DTYPES:  # fresh prompts too attend over what the pages hold, as every later step does
         key = value = None
@@ -158,11 +173,13 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         out.index_copy_(0, plan.rows, _attend_group(query, key_cache, value_cache, plan, scale, sliding_window, softcap,
                                                     native, kv_scales, extras))
     for start, end in metadata.fresh:
+        fresh = extras if extras is None or extras.relative_logits is None else \
+            dataclasses.replace(extras, relative_logits=extras.relative_logits[start:end])
         if key is None:
             key = dequantize(_gather_rows(key_cache, metadata), query.dtype, kv_scales[0])
             value = dequantize(_gather_rows(value_cache, metadata), query.dtype, kv_scales[1])
         out[start:end] = _attend_fresh(query[start:end], key[start:end], value[start:end], scale, sliding_window,
-                                       softcap, extras)
+                                       softcap, fresh)
     return out
 
 

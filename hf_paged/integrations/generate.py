@@ -20,6 +20,7 @@ from .generate_run import GenerateRun
 from .in_place import call_reading_in_place, in_place_configs, on_a_paged_cache
 from .paged_cache import PagedCache
 from ..model import describe_model, position_takers
+from ..model.own_state import has_own_state
 from ..model.state_modules import find_state_modules, own_cache_class
 from ..model.probe import counts_padding
 
@@ -186,13 +187,13 @@ def _hf_loop_reason(model, arguments: dict, extra: dict, config, model_kwargs: d
         reason = _engine_mask_reason(mask, _window_bites(model, span), _takes_positions(model))
         if reason is not None:
             return reason
-        if find_state_modules(model) and not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        if (find_state_modules(model) or has_own_state(model)) and not bool((mask[:, 1:] >= mask[:, :-1]).all()):
             return ("padding after or between real tokens, with state layers (HF's batch feeds that padding through "
                     "their state)")
         if counts_padding(model) and not bool(mask.all()):  # asked on every call with a mask: once per model
             return (f"model type {model.config.model_type!r}: its own forward counts the padding of a padded row in "
-                    f"its positions (HF's padded batch), which the engine, serving each prompt at its own positions, "
-                    f"does not reproduce")
+                    f"its positions or feeds it through its state (HF's padded batch), which the engine, serving each "
+                    f"prompt at its own positions from its first real token, does not reproduce")
     if "position_ids" in model_kwargs and _default_positions(model, inputs, model_kwargs["position_ids"], mask):
         model_kwargs.pop("position_ids")
     known = _ENGINE_MODEL_KWARGS

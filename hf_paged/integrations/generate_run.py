@@ -9,6 +9,7 @@ from ..engine import Engine
 from ..kv import blocks_needed
 from ..request import Request
 from ..sampling import SamplingParams
+from ..model.own_state import has_own_state
 from .returned_cache import KVSnapshots
 
 _NATIVE_CRITERIA = ("MaxLengthCriteria", "EosTokenCriteria")
@@ -265,10 +266,11 @@ class GenerateRun:
 
     def run(self, engine: Engine) -> None:
         # the returned cache (not when the engine stores K/V by attention call, HF's cache by the calling layer's
-        # index: a shared attention block, several calls per layer; the caller then gets no cache and a continuation
-        # recomputes)
+        # index: a shared attention block, several calls per layer; nor when state modules keep their state on
+        # themselves or in a passed argument, where no cache of HF's holds it: own_state; the caller then gets no
+        # cache and a continuation recomputes)
         if self.config.return_dict_in_generate and self.config.use_cache is not False \
-                and not engine.spec.kv.by_call:
+                and not engine.spec.kv.by_call and not has_own_state(self.model):
             self.snapshots = KVSnapshots(engine.memory.cache, engine.scheduler.kv.states)  # the returned cache: rows' K/V kept as they finish
             self.block_size = engine.config.block_size
             engine.scheduler.release_hooks.append(self.snapshots.keep)

@@ -82,19 +82,26 @@ class StateSlots:
         self.capacity = capacity
 
     # ---- contents -------------------------------------------------------------------------------------------
-    def read(self, key: StateKey, slots: torch.Tensor) -> torch.Tensor | None:
-        """The states of `slots` ([B] long, on the device) as a new tensor [B, *shape]; None if never written."""
+    def read(self, key: StateKey, slots: torch.Tensor, span: slice | None = None) -> torch.Tensor | None:
+        """The states of `slots` ([B] long, on the device) as a new tensor [B, *shape]; None if never written. With
+        `span` (the same slots as a range: `slots` is `arange(span.start, span.stop)`) the slots' own storage instead:
+        writing it writes the slots."""
         tensor = self.tensors.get(key)
-        return None if tensor is None else tensor.index_select(0, slots)
+        if tensor is None:
+            return None
+        return tensor[span] if span is not None else tensor.index_select(0, slots)
 
-    def write(self, key: StateKey, slots: torch.Tensor, values: torch.Tensor) -> None:
-        """Store `values` [B, *shape] into `slots` (the tensor for `key` is made at the first write)."""
+    def write(self, key: StateKey, slots: torch.Tensor, values: torch.Tensor, span: slice | None = None) -> None:
+        """Store `values` [B, *shape] into `slots` (the tensor for `key` is made at the first write); nothing to do
+        when `values` is the slots' own storage (`read` with their `span`)."""
         tensor = self.tensors.get(key)
         if tensor is None:
             tensor = self.tensors[key] = values.new_zeros((self.capacity, *values.shape[1:]))
         elif tensor.shape[1:] != values.shape[1:] or tensor.dtype != values.dtype:
             raise ValueError(f"state {key} changed shape or dtype: {tuple(tensor.shape[1:])} {tensor.dtype} -> "
                              f"{tuple(values.shape[1:])} {values.dtype}")
+        if span is not None and values.data_ptr() == tensor[span].data_ptr() and values.stride() == tensor.stride():
+            return  # the slots' own storage, written in place
         tensor.index_copy_(0, slots, values.to(tensor.device))
 
     @torch.inference_mode()

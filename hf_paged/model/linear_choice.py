@@ -16,7 +16,8 @@ Invariants:
   but not for the kernel). Only buckets that calls actually reach are probed.
 - The probe's cost is bounded per key: one warm-up call per candidate, then `MIN_ROUNDS`..`MAX_ROUNDS` rounds (as
   many as fit in `BUDGET_S`), each running every remaining candidate once in a rotating order; a candidate's time is
-  its fastest round (noise only ever adds time). After the first round a candidate more than `DROP` (2) times slower
+  its fastest round (noise only ever adds time). After the first round a candidate more than `DROP` (2; `LONG_DROP`,
+  1.2, where the leader's call takes `LONG_S` or more) times slower
   than the leader in both its warm-up and that round is out (the LM head's losers: its probe then costs two calls of
   each). So a key costs at most about max(BUDGET_S, 3 calls of each candidate): a few ms for most weights. Weights
   that stay in the cache while probed (small ones) measured like cold ones to within a few percent on the EPYC, so the
@@ -51,6 +52,9 @@ BUCKET_OF = (0,) + tuple(next(b for b in BUCKETS if b >= m) for m in range(1, BU
 MIN_ROUNDS, MAX_ROUNDS = 2, 10
 BUDGET_S = 0.005  # per key: rounds until their total would pass this (2..10: small weights 10, an LM head 2)
 DROP = 2.0  # a candidate this many times slower than the leader in its warm-up and first round is not timed further
+# ... or this many times, where the leader's call takes LONG_S or more (an LM head: timer and scheduling noise are a
+# small part of such a call, and each further round costs tens of ms)
+LONG_DROP, LONG_S = 1.2, 0.005
 BASELINE, MARGIN = "f_linear", 0.05  # a fast path must beat F.linear by more than 5 % to be chosen
 CACHE_SWITCH = "HF_PAGED_SMALL_LINEAR_CACHE"
 clock = time.perf_counter  # module attribute: tests put a fake clock here
@@ -99,7 +103,8 @@ def time_paths(runs: dict[str, Callable[[], object]], budget: float = BUDGET_S) 
             best[name] = min(best[name], clock() - t)
         if r == 0:  # two samples each: one slow call by chance (a busy machine) does not drop a candidate
             lead = min(min(warm[name], best[name]) for name in names)
-            for name in [name for name in names if min(warm[name], best[name]) > DROP * lead]:
+            drop = LONG_DROP if lead >= LONG_S else DROP
+            for name in [name for name in names if min(warm[name], best[name]) > drop * lead]:
                 names.remove(name)
                 best[name] = min(warm[name], best[name])
             if len(names) == 1:

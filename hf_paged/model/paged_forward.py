@@ -77,11 +77,13 @@ def paged_attention_forward(module, query, key, value, attention_mask, *args, sc
                                    f"hf_paged's engine, and a model of type {_model_type(module)!r} must pass its "
                                    f"forward's keyword arguments down to its attention modules")
     sinks = kwargs.pop("s_aux", None)  # per-head attention-sink logits (gpt-oss, granite_swa, flint)
+    relative = kwargs.pop("relative_logits", None)  # [1, T, H, E] from a paged forward of its own (relative_attention)
     if args or dropout or kwargs:
         check_supported(module, args, dropout, kwargs)
     query = _llama4_temperature(module, query, paged_context.metadata)
     layer = _layer_of(module, paged_context)
-    extras = LayerExtras(sinks=sinks, chunk_size=_chunk_size(module, layer))
+    extras = LayerExtras(sinks=sinks, chunk_size=_chunk_size(module, layer),
+                         relative_logits=None if relative is None else relative[0])
     out = attend_paged(module, query, key, value, paged_context, scaling, sliding_window, softcap, extras, layer)
     return out[None], None
 

@@ -39,7 +39,7 @@ from ..kv.state import StateSlots
 from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_attention_active
 from .spec import ModelSpec
-from .state_layers import StateStep, cache_keyword
+from .state_layers import StateStep, UnsupportedState, cache_keyword
 from .state_modules import own_cache
 from .switches import switched_attention
 
@@ -128,6 +128,14 @@ def _own_logits(model, ids: list[int], device) -> torch.Tensor:
     if "position_ids" in inspect.signature(model.forward).parameters:
         kwargs["position_ids"] = torch.arange(len(ids), device=device)[None]
     return model(input_ids=torch.tensor([ids], device=device), **kwargs).logits[0, -1].float()
+
+
+def _takes_cache(model) -> bool:
+    """Whether the model's forward takes a cache (rwkv's passes its state as an argument of its own instead)."""
+    try:
+        return bool(cache_keyword(model.forward))
+    except UnsupportedState:
+        return False
 
 
 def _own_stepped_logits(model, ids: list[int], cuts: tuple, device) -> list[torch.Tensor]:
@@ -259,7 +267,7 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
     verdicts[key] = None
     if not worst <= tolerance:  # also catches NaN
         hint = _own_positions(model)
-        if spec.has_state:
+        if spec.has_state and _takes_cache(model):
             with forward_lock(model), _reference_attention(spec.configs):
                 stepped = [_own_stepped_logits(model, seq, cuts, spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
             if _worst(paged, [[logits[step] for logits in stepped] for step in range(len(STEPS[0]))]) <= tolerance:

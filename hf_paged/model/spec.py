@@ -11,8 +11,11 @@ from .forward_lock import forward_lock
 from .kv_shapes import layer_shapes, number_calls
 from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
                             self_attending_modules)
+from .relative_attention import relative_attention_modules
 from .state_continuation import continuation_modes
-from .state_layers import UnsupportedState, cache_keyword, state_forward
+from .state_fast import fast_paths
+from .own_state import own_state_modules
+from .state_layers import UnsupportedState, cache_keyword, own_forward, state_forward
 from .state_modules import find_state_modules
 from .switches import require_enabled
 
@@ -31,7 +34,8 @@ class ModelSpec:
     configs: list
     # how many layers' attention the probe forward saw go through transformers' attention interface (0: none did)
     interface_layers: int = 0
-    # state layers (linear attention, Mamba, short convolutions): {layer: the module holding its state}; {} for none
+    # state layers (linear attention, Mamba, short convolutions): {name of a module holding state: its layer} (a
+    # layer may have several: `state_modules.find_state_modules`); {} for none
     state_layers: dict = None
 
     @property
@@ -61,7 +65,8 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     if odd and not state:
         raise ValueError(f"model type {model_type!r} has layers of type {odd} whose state hf_paged cannot hold: it "
                          f"serves attention layers (full, sliding-window, chunked) and state layers that keep their "
-                         f"state through transformers' linear-attention cache calls")
+                         f"state through transformers' linear-attention cache calls (or, bridged to them, on their "
+                         f"modules or in an argument passed down: own_state.OWN_STATE)")
     num_heads = getattr(text, "num_attention_heads", None)
     num_layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
     hidden = getattr(text, "hidden_size", None)
@@ -78,12 +83,13 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     else:  # the modules' attention did not run through the interface: the config's word (the start-up check decides)
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text, "head_dim", None) or hidden // num_heads
-    if state:
-        keyword = {layer: cache_keyword(model.get_submodule(name).forward) for layer, name in state.items()}
+    if state:  # {module name: its layer}: a layer may have several state modules, each patched on its own
+        modules = {name: model.get_submodule(name) for name in state}
         modes = continuation_modes(model, state)  # how each module must run a continuation of several tokens
-        configs = configs + [ModulePatches(model, [(model.get_submodule(name),
-                                                    state_forward(layer, keyword[layer], modes[layer]))
-                                                   for layer, name in state.items()], [])]
+        fast = fast_paths(model, state)  # faster forwards where they agree with the module's own and win here
+        configs = configs + [ModulePatches(model, [
+            (module, state_forward(state[name], cache_keyword(own_forward(module)), modes[name], fast[name]))
+            for name, module in modules.items()], [])]
     forward_params = inspect.signature(model.forward).parameters
     return ModelSpec(
         kv=KVCacheSpec(num_layers, num_kv_heads, head_dim, param.dtype, param.device,
@@ -99,9 +105,10 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
 
 
 def _state_layers(model: torch.nn.Module, model_type: str) -> dict:
-    """`find_state_modules`, its refusals as ValueError naming the model."""
+    """`find_state_modules` and `own_state_modules` (modules keeping their state on themselves or in a passed
+    argument), the refusals as ValueError naming the model."""
     try:
-        return find_state_modules(model)
+        return {**find_state_modules(model), **own_state_modules(model)}
     except UnsupportedState as e:
         raise ValueError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a forward that runs neither on transformers' cache nor on one of its own
@@ -120,7 +127,9 @@ def _switched(model: torch.nn.Module, configs: list, model_type: str) -> tuple[d
     else:
         shape, configs, layers = module_kv_shape(model, configs, model_type)
     positioned = position_takers(model)
-    return shape, configs + [ModulePatches(model, [], [], positioned)] if positioned else configs, layers
+    relative = relative_attention_modules(model)  # a learned relative-position bias: a paged forward of their own
+    patches = [ModulePatches(model, relative, [], positioned)] if positioned or relative else []
+    return shape, configs + patches, layers
 
 
 def module_kv_shape(model: torch.nn.Module, configs: list,

@@ -30,8 +30,8 @@ import torch
 
 from ..kv.state import StateSlots
 from .forward_lock import forward_lock
-from .state_layers import (AS_IS, KEEP_STATES, TOKEN_BY_TOKEN, StateRun, StateView, cache_keyword, own_forward,
-                           run_module, split_arguments)
+from .state_layers import (AS_IS, KEEP_STATES, TOKEN_BY_TOKEN, StateRun, StateView, UnsupportedState, cache_keyword,
+                           own_forward, run_module, split_arguments)
 from .state_modules import own_cache
 
 MODES = (AS_IS, KEEP_STATES, TOKEN_BY_TOKEN)  # tried in this order: the cheapest exact one is taken
@@ -44,27 +44,27 @@ HALF_TOLERANCE = 3e-2
 
 
 @torch.inference_mode()
-def continuation_modes(model: torch.nn.Module, state_modules: dict[int, str]) -> dict[int, str]:
-    """{layer: mode} for the state layers `state_modules` names ({layer: module name}), one check per module class
-    (see the module doc). Kept on the model per (dtype, device)."""
+def continuation_modes(model: torch.nn.Module, state_modules: dict[str, int]) -> dict[str, str]:
+    """{module name: mode} for the state modules `state_modules` names ({module name: its layer}), one check per
+    module class (see the module doc). Kept on the model per (dtype, device)."""
     if not state_modules:
         return {}
     param = next(model.parameters())
     key = (str(param.dtype), str(param.device))
     known = model.__dict__.setdefault("_hf_paged_continuation", {})
     if key not in known:
-        modules = {layer: model.get_submodule(name) for layer, name in state_modules.items()}
+        modules = {name: model.get_submodule(name) for name in state_modules}
         firsts: dict[type, tuple[int, torch.nn.Module]] = {}
-        for layer, module in modules.items():
-            firsts.setdefault(type(module), (layer, module))
-        inputs = _module_inputs(model, [module for _, module in firsts.values()])
+        for name, module in modules.items():
+            firsts.setdefault(type(module), (state_modules[name], module))
+        inputs = module_inputs(model, [module for _, module in firsts.values()])
         modes = {cls: _mode(module, layer, inputs.get(module), param.dtype)
                  for cls, (layer, module) in firsts.items()}
-        known[key] = {layer: modes[type(module)] for layer, module in sorted(modules.items())}
+        known[key] = {name: modes[type(module)] for name, module in modules.items()}
     return known[key]
 
 
-def _module_inputs(model: torch.nn.Module, modules: list) -> dict:
+def module_inputs(model: torch.nn.Module, modules: list) -> dict:
     """{module: (args, kwargs) of its first call} in one LENGTH-token forward of the model on the cache its forward
     keeps its states on (`own_cache`), in this thread ({} if that forward fails)."""
     inputs: dict = {}
@@ -79,10 +79,14 @@ def _module_inputs(model: torch.nn.Module, modules: list) -> dict:
     vocab = min(getattr(text, "vocab_size", None) or 256, 1000)
     ids = torch.randint(3, max(vocab, 4), (1, LENGTH), generator=torch.Generator().manual_seed(0)).to(device)
     cache = own_cache(model)  # (before the hooks: finding which cache may run a forward of its own)
+    try:
+        given = {cache_keyword(model.forward): cache}
+    except UnsupportedState:  # a forward taking no cache (rwkv passes its blocks a state of its own making)
+        given = {}
     with forward_lock(model):
         hooks = [module.register_forward_pre_hook(capture, with_kwargs=True) for module in modules]
         try:
-            model(input_ids=ids, use_cache=True, **{cache_keyword(model.forward): cache})
+            model(input_ids=ids, use_cache=True, **given)
         except Exception:  # noqa: BLE001 - no inputs: every module runs AS_IS and the start-up check decides
             return {}
         finally:

@@ -1,5 +1,11 @@
-"""Which module holds each state layer's state (`find_state_modules`), and the cache the model's own forward keeps
+"""Which modules hold the state layers' states (`find_state_modules`), and the cache the model's own forward keeps
 its states on (`own_cache`).
+
+A layer may hold several states, told apart by the `state_idx` of transformers' cache calls (inkling: four short
+convolutions per layer, two of them inside its attention module, each keeping conv state `conv_idx` of its layer).
+Each state of a layer is used by exactly one module, and one module may use several states of its layer (a Gated
+DeltaNet's conv and recurrent state): the engine runs every such module on its own (`state_layers.state_forward`),
+and what it stores lands under (layer, kind, state index) in `kv.StateSlots`.
 
 Both come from the model's own forward on a cache of transformers: its `DynamicCache`, or, for a model whose forward
 rejects it and insists on a cache class of its own (minimax: `MiniMaxCache`, whose `get_linear_cache` /
@@ -17,7 +23,7 @@ import torch
 from .forward_lock import forward_lock
 from .state_layers import STATE_CALLS, UnsupportedState, cache_keyword
 
-_MODULES = "_hf_paged_state_modules"  # kept on the model: {layer: module name}
+_MODULES = "_hf_paged_state_modules"  # kept on the model: {module name: layer}
 _CACHE_CLASS = "_hf_paged_cache_class"  # kept on the model: the Cache subclass of its own it runs on (None: none)
 
 
@@ -40,12 +46,16 @@ def own_cache_class(model: torch.nn.Module) -> type | None:
 
 
 @torch.inference_mode()
-def find_state_modules(model: torch.nn.Module) -> dict[int, str]:
-    """{layer index: qualified name of the module that reads and writes that layer's state}, from one 3-token forward
-    on transformers' own cache (or, when the model rejects it, on the model's own cache class): a state call
-    (`STATE_CALLS`) names the innermost running module whose `layer_idx` is the layer the call is for. {} for models
-    whose cache has no state layer. Kept on the model. Raises UnsupportedState when a state layer's calls come from no
-    such module, or from several; the forward's own error when it runs on none of the caches."""
+def find_state_modules(model: torch.nn.Module) -> dict[str, int]:
+    """{qualified name of a module that reads and writes state of a layer: that layer}, in module order, from one
+    3-token forward on transformers' own cache (or, when the model rejects it, on the model's own cache class): a
+    state call (`STATE_CALLS`) names the innermost running module whose `layer_idx` is the layer the call is for.
+    {} for models whose cache has no state layer. Kept on the model.
+
+    Invariants of the answer: every state (layer, state index) that a call named is used by one module, and no
+    module listed runs inside another (each runs on its own, per group of sequences). Raises UnsupportedState when
+    a layer's calls come from no such module, when two modules use one state, or when one runs inside another; the
+    forward's own error when it runs on none of the caches."""
     known = model.__dict__.get(_MODULES)
     if known is not None:
         return known
@@ -71,13 +81,29 @@ def find_state_modules(model: torch.nn.Module) -> dict[int, str]:
     if strays:
         raise UnsupportedState(f"model type {model_type!r}: state calls for layers {sorted(set(strays))} come from "
                                f"no module of that layer")
-    several = {layer: sorted(n) for layer, n in found.items() if len(n) > 1}
-    if several:
-        raise UnsupportedState(f"model type {model_type!r}: several modules use the state of one layer: {several}")
-    result = {layer: next(iter(n)) for layer, n in sorted(found.items())}
+    result = _checked(model, found, model_type)
     model.__dict__[_CACHE_CLASS] = chosen
     model.__dict__[_MODULES] = result
     return result
+
+
+def _checked(model: torch.nn.Module, found: dict[str, tuple], model_type: str) -> dict[str, int]:
+    """{module name: layer} in module order from `found` ({module name: (layer, the state indices it named)}), after
+    the invariants of `find_state_modules` hold."""
+    users: dict[tuple, list[str]] = {}
+    for name, (layer, indices) in found.items():
+        for index in indices:
+            users.setdefault((layer, index), []).append(name)
+    shared = {f"layer {layer} state {index}": sorted(names) for (layer, index), names in sorted(users.items())
+              if len(names) > 1}
+    if shared:
+        raise UnsupportedState(f"model type {model_type!r}: several modules use one state of a layer: {shared}")
+    nested = sorted((inner, outer) for inner in found for outer in found if inner.startswith(outer + "."))
+    if nested:
+        raise UnsupportedState(f"model type {model_type!r}: state module {nested[0][0]!r} runs inside state module "
+                               f"{nested[0][1]!r}; hf_paged runs each state module on its own")
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return {name: found[name][0] for name in sorted(found, key=order.__getitem__)}
 
 
 def _own_cache_classes(model: torch.nn.Module) -> list[type]:
@@ -100,29 +126,35 @@ def _new(cls: type, model: torch.nn.Module):
     return cls(config=model.config) if "config" in inspect.signature(cls).parameters else cls()
 
 
-def _layer_of(method, args: tuple, kwargs: dict) -> int | None:
-    """The layer a state call is for (its `layer_idx` argument), None when it names none."""
+def _state_of(method, args: tuple, kwargs: dict) -> tuple[int | None, int | None]:
+    """(the layer a state call is for: its `layer_idx` argument, the state index it names: its `state_idx` argument,
+    0 for a call that takes none: minimax's linear cache); None for what the call does not name (has_previous_state
+    without a state index asks about the layer, and names none of its states)."""
     try:
-        return inspect.signature(method).bind(*args, **kwargs).arguments.get("layer_idx")
+        bound = inspect.signature(method).bind(*args, **kwargs)
     except TypeError:
-        return None
+        return None, None
+    bound.apply_defaults()
+    return bound.arguments.get("layer_idx"), bound.arguments.get("state_idx", 0)
 
 
-def _recorded(model: torch.nn.Module, cache) -> tuple[dict[int, set], list[int]]:
-    """({layer: names of the modules that made its state calls}, layers whose calls came from no module of that
-    layer) in one 3-token forward of the model on `cache`."""
+def _recorded(model: torch.nn.Module, cache) -> tuple[dict[str, tuple], list[int]]:
+    """({name of a module that made state calls: (their layer, the state indices they named)}, layers whose calls
+    came from no module of that layer) in one 3-token forward of the model on `cache`."""
     thread, stack, found, strays = threading.get_ident(), [], {}, []
     names = {module: name for name, module in model.named_modules()}
 
     def record(method):
         def call(*args, **kwargs):
-            layer = _layer_of(method, args, kwargs)
+            layer, index = _state_of(method, args, kwargs)
             if layer is not None and threading.get_ident() == thread:
                 owner = next((m for m in reversed(stack) if getattr(m, "layer_idx", None) == layer), None)
                 if owner is None:
                     strays.append(layer)
                 else:
-                    found.setdefault(layer, set()).add(names[owner])
+                    _, indices = found.setdefault(names[owner], (layer, set()))
+                    if index is not None:
+                        indices.add(index)
             return method(*args, **kwargs)
         return call
 

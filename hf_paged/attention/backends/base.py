@@ -17,8 +17,8 @@ class AttentionBackend:
     Flags: `prefill` / `decode` (serves steps with prompt rows / with one-token rows), `fp8` (reads scaled fp8
     caches, i.e. applies the per-layer `kv_scales`), `graph_capturable` (a decode step may be recorded once in a CUDA
     graph and replayed: no host-side decision depends on the step's values), `extras` (which of
-    extras.EXTRA_NAMES, i.e. attention sinks / ALiBi / attention chunks, its `forward` implements: the chooser never
-    hands it a layer using any other, and `forward` raises ValueError if called with one).
+    extras.EXTRA_NAMES, i.e. attention sinks / ALiBi / attention chunks / relative logits, its `forward` implements:
+    the chooser never hands it a layer using any other, and `forward` raises ValueError if called with one).
 
     Invariant the chooser relies on to memoize: `unsupported_reason` looks at nothing but what `CallKind` records.
     """

@@ -17,7 +17,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     fp8 = True
     graph_capturable = True
-    extras = frozenset(EXTRA_NAMES)
+    extras = frozenset(EXTRA_NAMES) - {"relative"}  # no learned relative-position bias in the kernel
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:

@@ -1,0 +1,170 @@
+"""Faster forwards of Gated DeltaNet / short-convolution state modules (`model.state_fast`, `model.gated_delta`):
+taken only where they agree with the module's own forward, exact against HF where taken (also under chunking,
+preemption and prefix hits), invisible outside the engine's state runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.kv.state import StateSlots
+from hf_paged.model import gated_delta, state_fast
+from hf_paged.model.state_modules import find_state_modules
+from hf_paged.tiny import tiny_hybrid
+
+from conftest import assert_same_as_hf, left_padded_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+GATED_DELTA = ("qwen3_5_text", "qwen3_next", "olmo_hybrid")  # every substitute
+CONV_ONLY = ("lfm2", "mamba2")  # the short convolution's step only
+RECURRENT, CONV, CHUNK = "torch_recurrent_gated_delta_rule", "causal_conv1d_forward", "torch_chunk_gated_delta_rule"
+
+
+def spy(monkeypatch, name: str) -> list:
+    """Counts the calls of the substitute for `name` in the fast forwards built from now on."""
+    calls, make = [], state_fast.SUBSTITUTES[name]
+
+    def counted(original):
+        substitute = make(original)
+
+        def call(*args, **kwargs):
+            calls.append(1)
+            return substitute(*args, **kwargs)
+        return call
+    monkeypatch.setitem(state_fast.SUBSTITUTES, name, counted)
+    return calls
+
+
+@pytest.fixture
+def always_fast(monkeypatch):
+    monkeypatch.setenv(state_fast.SWITCH, "fast")
+
+
+@pytest.mark.parametrize("model_type", GATED_DELTA + CONV_ONLY)
+def test_fast_forward_is_exact_where_taken(monkeypatch, always_fast, model_type):
+    """With the timing skipped, every module of the family takes the substitutes (they agree with its own forward),
+    the engine's prefills and decodes run through them, and the tokens are HF's on a left-padded batch."""
+    calls = {name: spy(monkeypatch, name) for name in (RECURRENT, CONV, CHUNK)}
+    model = tiny_hybrid(model_type)
+    paths = state_fast.fast_paths(model, find_state_modules(model))
+    assert paths and all(path is not None for path in paths.values())
+    ids, mask = left_padded_batch([5, 11, 17])
+    assert_same_as_hf(model, ids, mask, max_new_tokens=12, do_sample=False)
+    assert calls[CONV]
+    assert model_type in CONV_ONLY or (calls[RECURRENT] and calls[CHUNK])
+
+
+def test_fast_forward_exact_under_pressure(always_fast):
+    """Chunked prefill smaller than a prompt (continuations through the chunked rule), preemption by recompute and
+    by swap, prefix hits (the state restored from a checkpoint): the tokens of HF alone."""
+    model = tiny_hybrid("qwen3_5_text")
+    gen = torch.Generator().manual_seed(3)
+    params = hf_paged.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def alone(prompts):
+        return [model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17, 9)]
+    for mode in ("recompute", "swap"):
+        llm = hf_paged.LLM(model, num_blocks=10, block_size=4, max_num_batched_tokens=6, max_num_seqs=3,
+                           long_prefill_token_threshold=4, preemption_mode=mode, swap_space=1 << 20)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == alone(prompts)
+        assert llm.engine.stats()["num_preemptions"] > 0
+    shared = torch.randint(3, 256, (70,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 13)]
+    llm = hf_paged.LLM(model, num_blocks=96, block_size=4)
+    outs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+    assert outs == alone(prompts)
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+
+
+@pytest.mark.parametrize("name,wrong", [
+    (RECURRENT, lambda step: lambda q, k, v, g, beta, **kw: step(q, k, v, torch.zeros_like(g), beta, **kw)),
+    (CHUNK, lambda rule: lambda q, k, v, g, beta, **kw: rule(q, k, v, g, beta * 0.5, **kw)),
+    (CONV, lambda step: lambda conv1d, x, *a, **kw: step(conv1d, x.flip(1), *a, **kw)),
+])
+def test_a_wrong_substitute_is_not_taken(monkeypatch, always_fast, name, wrong):
+    """A substitute that computes something else (no decay, half the learning rate, channels mixed up) fails the
+    agreement check: the module keeps its own forward and the engine stays exact."""
+    make = state_fast.SUBSTITUTES[name]
+    monkeypatch.setitem(state_fast.SUBSTITUTES, name, lambda original: wrong(make(original)))
+    model = tiny_hybrid("qwen3_5_text")
+    assert all(path is None for path in state_fast.fast_paths(model, find_state_modules(model)).values())
+    ids, mask = left_padded_batch([4, 9])
+    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)
+
+
+def test_switch_own_keeps_the_modules_forward(monkeypatch):
+    monkeypatch.setenv(state_fast.SWITCH, "own")
+    model = tiny_hybrid("qwen3_next")
+    assert all(path is None for path in state_fast.fast_paths(model, find_state_modules(model)).values())
+
+
+def test_transformers_and_plain_forwards_untouched(always_fast):
+    """The fast forward is a copy with globals of its own: transformers' module functions and the class forward stay
+    what they were, and a plain forward after an engine run gives what it gave before."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as modeling
+
+    before = {name: getattr(modeling, name) for name in state_fast.SUBSTITUTES}
+    model = tiny_hybrid("qwen3_5_text")
+    forward = type(model.model.layers[0].linear_attn).forward
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        plain = model(ids).logits
+    llm = hf_paged.LLM(model, num_blocks=32, block_size=4)
+    llm.generate([[5, 6, 7]], hf_paged.SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert {name: getattr(modeling, name) for name in before} == before
+    assert type(model.model.layers[0].linear_attn).forward is forward
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, plain)
+
+
+@pytest.mark.parametrize("length,heads,start", [(5, 4, False), (37, 2, True), (48, 4, True)])
+def test_chunk_rule_matches_transformers(length, heads, start):
+    """Several chunks, a partial last one, grouped heads, an initial state: transformers' outputs and final state."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
+
+    gen = torch.Generator().manual_seed(length)
+    q, k = (torch.randn(2, length, heads, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, length, 4, 8, generator=gen)
+    g, beta = -torch.rand(2, length, 4, generator=gen), torch.rand(2, length, 4, generator=gen)
+    state = torch.randn(2, 4, 16, 8, generator=gen) if start else None
+    args = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_out, want_state = reference(q, k, v, **args)
+    got_out, got_state = gated_delta.chunk_rule(reference, chunk=16)(q, k, v, **args)
+    assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_state, want_state, atol=1e-5)
+
+
+def test_recurrent_step_matches_transformers_in_place():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule as reference
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(3, 1, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(3, 1, 4, 8, generator=gen)
+    g, beta = -torch.rand(3, 1, 4, generator=gen), torch.rand(3, 1, 4, generator=gen)
+    state = torch.randn(3, 4, 16, 8, generator=gen)
+    args = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_out, want_state = reference(q, k, v, initial_state=state.clone(), **args)
+    got_out, got_state = gated_delta.recurrent_step(reference)(q, k, v, initial_state=state, **args)
+    assert got_state is state  # updated in place
+    assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_state, want_state, atol=1e-5)
+
+
+def test_slots_read_in_place_for_a_range():
+    """Slots that form a range are read as the slots' own storage (written in place, no copy back); others as a
+    copy that `write` stores."""
+    slots = StateSlots("cpu", 4)
+    key = (0, "recurrent", 0)
+    slots.write(key, torch.arange(4), torch.arange(4.0)[:, None].repeat(1, 3))
+    ids = torch.tensor([1, 2])
+    view = slots.read(key, ids, slice(1, 3))
+    view.add_(10)
+    slots.write(key, ids, view, slice(1, 3))
+    assert slots.tensors[key][:, 0].tolist() == [0, 11, 12, 3]
+    copy = slots.read(key, torch.tensor([0, 3]))
+    copy.add_(100)
+    assert slots.tensors[key][:, 0].tolist() == [0, 11, 12, 3]
+    slots.write(key, torch.tensor([0, 3]), copy)
+    assert slots.tensors[key][:, 0].tolist() == [100, 11, 12, 103]

@@ -11,6 +11,7 @@ import torch
 from .config import SEED_LIMIT, InputTypeError, is_integer
 
 GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclass(slots=True)
@@ -33,6 +34,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # what `logprobs` reports (vLLM's names): "raw_logprobs", the model's own distribution; "processed_logprobs", the
+    # one the token was drawn from (after penalties, temperature, top-k / top-p / min-p: what transformers' continuous
+    # batching reports, and what RL importance weights compare against)
+    logprobs_mode: str = "raw_logprobs"
     cache_salt: str | None = None  # requests with different salts never share KV blocks
 
     def __post_init__(self) -> None:
@@ -103,6 +108,8 @@ class SamplingParams:
             self.seed = int(self.seed)
         if self.logprobs is not None:
             integer("logprobs", 0)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InputTypeError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
@@ -218,6 +225,7 @@ class Sampler:
             for row, tokens in enumerate(banned):
                 if tokens:
                     logits[row, tokens] = float("-inf")
+        processed = logits  # the distribution each row's token is drawn from (for processed log-probs)
         if all(p.greedy for p in params):
             token_ids = first_argmax(logits)
         else:
@@ -232,23 +240,28 @@ class Sampler:
                     noise[row].exponential_(generator=gen)
             sampled = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled)
+            processed = torch.where(greedy[:, None], logits, scaled)
         token_list = token_ids.tolist()
-        return SampleResult(token_list, _logprobs(raw, token_list, params))
+        return SampleResult(token_list, _logprobs(raw, processed, token_list, params))
 
 
-def _logprobs(raw: torch.Tensor, token_ids: list[int], params: list[SamplingParams]):
+def _logprobs(raw: torch.Tensor, processed: torch.Tensor, token_ids: list[int], params: list[SamplingParams]):
+    """Per row, None or {token: log-prob} for the chosen token and the top `logprobs` ones, from the model's own
+    distribution (`raw`) or the processed one its token was drawn from, as the row's `logprobs_mode` says."""
     wanted = [p.logprobs for p in params]
     if all(k is None for k in wanted):
         return [None] * len(params)
-    logp = raw.float().log_softmax(dim=-1)
+    modes = {p.logprobs_mode for p, k in zip(params, wanted) if k is not None}
+    logp = {mode: (raw if mode == "raw_logprobs" else processed).float().log_softmax(dim=-1) for mode in modes}
     result: list[dict[int, float] | None] = []
     for row, k in enumerate(wanted):
         if k is None:
             result.append(None)
             continue
-        entry = {token_ids[row]: float(logp[row, token_ids[row]])}
+        row_logp = logp[params[row].logprobs_mode][row]
+        entry = {token_ids[row]: float(row_logp[token_ids[row]])}
         if k > 0:
-            values, indices = logp[row].topk(k)
+            values, indices = row_logp.topk(k)
             entry.update(zip(indices.tolist(), values.tolist()))
         result.append(entry)
     return result

@@ -59,12 +59,13 @@ def set_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def matmul_gflops(size: int = 1024, repeats: int = 10) -> float:
-    """Best-of-`repeats` fp32 GFLOP/s of a size^3 torch.matmul (the CPU's practical dense-math ceiling)."""
+def matmul_gflops(size: int = 1024, repeats: int = 10, dtype: str = "float32") -> float:
+    """Best-of-`repeats` GFLOP/s of a size^3 torch.matmul in `dtype` (the CPU's practical dense-math ceiling)."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    out = torch.empty(size, size)
+    kind = getattr(torch, dtype)
+    a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
+    out = torch.empty(size, size, dtype=kind)
     for _ in range(2):
         torch.matmul(a, b, out=out)
     best = float("inf")

@@ -146,13 +146,15 @@ def generate_batch_runner(model, sized: bool = False):
 def worker(args, setup: dict) -> None:
     threads = set_threads(args.threads)
     if args.worker == "matmul":
-        emit_result({"gflops": matmul_gflops(), "threads": threads})
+        emit_result({"gflops": matmul_gflops(dtype=args.dtype), "threads": threads})
         return
+    import torch
+
     import hf_paged
 
     if args.worker != "hf_paged":
         hf_paged.disable()  # HF baselines run on unpatched transformers
-    model = build_model(args.arch, setup["model"])
+    model = build_model(args.arch, setup["model"]).to(getattr(torch, args.dtype))
     runner = {"hf_paged": paged_runner, "hf_padded": padded_runner, "hf_generate_batch": generate_batch_runner,
               "hf_generate_batch_sized": lambda m: generate_batch_runner(m, sized=True)}[args.worker](model)
     vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]
@@ -280,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                              "generate_batch sized to the workload)")
     parser.add_argument("--arch", choices=ARCHS, default="llama",
                         help="the random model: Llama, or a hybrid of that family's shape (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype for every system (bfloat16: greedy tokens may part from HF's on "
+                             "rounding flips; 'same tokens' counts the rows that do not; the matmul limit is measured "
+                             "in this dtype)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of every system, interleaved; each system's fastest round is reported")
     add_common_args(parser, "throughput", (*SYSTEMS, *EXTRA, "matmul"), timeout=3600,
@@ -296,11 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         worker(args, setup)
         return 0
 
-    common_args = ["--max-tokens", str(args.max_tokens), "--arch", args.arch] + (["--small"] if args.small else []) \
+    common_args = ["--max-tokens", str(args.max_tokens), "--arch", args.arch, "--dtype", args.dtype] \
+        + (["--small"] if args.small else []) \
         + (["--threads", str(args.threads)] if args.threads else [])
     load_before = machine_load()
     matmul = run_worker(["-m", MODULE, "--worker", "matmul", *common_args], timeout=args.timeout)
-    print(f"fp32 matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads",
+    print(f"{args.dtype} matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads",
           flush=True)
     results = []
     for n in args.requests:
@@ -350,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         r.pop("tokens", None)
 
     report = {"benchmark": "throughput", "arch": args.arch, "small": args.small, "model": setup["model"],
-              "dtype": "float32", "prompt_len": list(setup["prompt_len"]), "seed": SEED, "max_tokens": args.max_tokens,
+              "dtype": args.dtype, "prompt_len": list(setup["prompt_len"]), "seed": SEED, "max_tokens": args.max_tokens,
               "requests": args.requests, "systems": args.systems, "threads": matmul["threads"],
               "matmul_gflops": matmul["gflops"], "params": params, "matmul_limit_tok_per_s": limits,
               "machine": machine_info(), "load_average": {"before": load_before, "after": machine_load()},

@@ -68,10 +68,11 @@ def engine_options(cb_config, workload_hints=None) -> dict:
 
 def sampling_params(generation_config, model, plain: bool = False) -> SamplingParams:
     """The SamplingParams a GenerationConfig asks for (greedy unless `do_sample`), without a length or stop tokens
-    (each request sets those), log-probs of the chosen token on. `plain`: without its processors (temperature 1, no
-    top-k / p, min-p, penalty, min length), as after transformers' `logit_processor.clear()`."""
-    fields: dict = {"logprobs": 0, "ignore_eos": True, "n": getattr(generation_config, "num_return_sequences", None)
-                    or 1}
+    (each request sets those), log-probs of the chosen token on, after the processors (as transformers' manager
+    reports them). `plain`: without its processors (temperature 1, no top-k / p, min-p, penalty, min length), as
+    after transformers' `logit_processor.clear()`."""
+    fields: dict = {"logprobs": 0, "logprobs_mode": "processed_logprobs", "ignore_eos": True,
+                    "n": getattr(generation_config, "num_return_sequences", None) or 1}
     if plain:
         fields["temperature"] = 1.0 if getattr(generation_config, "do_sample", False) else 0.0
         return SamplingParams(**fields)

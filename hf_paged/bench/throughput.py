@@ -7,7 +7,8 @@ Full run (takes a while; use a quiet machine):
     hf-paged bench throughput --repeats 3         # 3 interleaved rounds: each system's fastest, paired ratios
 
 Quick smoke test: `hf-paged bench throughput --small` (hidden 128, 2 layers, vocab 1000, 4 and 8 requests,
-8 new tokens).
+8 new tokens): every system in one worker process per round (importing transformers costs more than such runs; the
+full runs give each system a fresh process), about 10 s and 0.8 GB on a 2-core machine.
 
 `--arch qwen3_5_text`: a random Qwen3.5-shaped hybrid instead (hidden 512, 8 layers 3 Gated DeltaNet : 1 full
 attention, 8 heads / 2 KV heads of 64, linear attention 4 key / 8 value heads of 64, intermediate 1024, vocab 32000;
@@ -44,7 +45,8 @@ import time
 from pathlib import Path
 
 from .common import (add_common_args, emit_result, format_table, machine_info, machine_load, matmul_gflops,
-                     peak_rss_mb, plot_path, pyplot, run_worker, save_figure, set_threads, write_json)
+                     peak_rss_mb, plot_path, run_worker, set_threads, write_json)
+from .throughput_plot import plot
 
 SYSTEMS = ("hf_paged", "hf_padded", "hf_generate_batch")
 EXTRA = ("hf_generate_batch_sized",)  # opt-in: generate_batch with num_blocks sized to the workload
@@ -147,19 +149,31 @@ def worker(args, setup: dict) -> None:
     threads = set_threads(args.threads)
     if args.worker == "matmul":
         emit_result({"gflops": matmul_gflops(dtype=args.dtype), "threads": threads})
-        return
+    elif args.worker == "all":  # --small: every system and request count in this one process (a smoke run)
+        emit_result({"matmul": {"gflops": matmul_gflops(dtype=args.dtype), "threads": threads},
+                     "results": [measure(system, n, args, setup, threads)
+                                 for system in sorted(args.systems, key=lambda name: name != "hf_paged")
+                                 for n in args.requests]})
+    else:
+        emit_result(measure(args.worker, args.requests[0], args, setup, threads))
+
+
+def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
+    """One system's timed generate of `n` prompts (after an untimed warm-up) on a freshly built model."""
     import torch
 
     import hf_paged
 
-    if args.worker != "hf_paged":
+    if system == "hf_paged":
+        hf_paged.enable()
+    else:
         hf_paged.disable()  # HF baselines run on unpatched transformers
     model = build_model(args.arch, setup["model"]).to(getattr(torch, args.dtype))
     runner = {"hf_paged": paged_runner, "hf_padded": padded_runner, "hf_generate_batch": generate_batch_runner,
-              "hf_generate_batch_sized": lambda m: generate_batch_runner(m, sized=True)}[args.worker](model)
+              "hf_generate_batch_sized": lambda m: generate_batch_runner(m, sized=True)}[system](model)
     vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]
     runner(make_prompts(2, vocab, low, high, seed=SEED + 1), 4)  # warm-up
-    prompts = make_prompts(args.requests[0], vocab, low, high)
+    prompts = make_prompts(n, vocab, low, high)
     start, cpu_start = time.perf_counter(), time.process_time()
     tokens = runner(prompts, args.max_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -167,15 +181,14 @@ def worker(args, setup: dict) -> None:
     head = model.get_output_embeddings().weight.numel()
     total = sum(p.numel() for p in model.parameters())
     extra = {}
-    if args.worker == "hf_paged":  # what the few-row linears chose, measured on this machine in this process
+    if system == "hf_paged":  # what the few-row linears chose, measured on this machine in this process
         from hf_paged.model.small_linear import small_linear_choices, small_linear_status
 
         extra["small_linears"] = {"status": small_linear_status(), "choices": small_linear_choices()}
-    emit_result({"system": args.worker, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
-                 "threads": threads, **extra,
-                 "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": peak_rss_mb(), "tokens": tokens,
-                 "params": {"total": total, "embedding": embed, "lm_head": head,
-                            "non_embedding": total - embed - head}})
+    return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
+            "threads": threads, **extra,
+            "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": peak_rss_mb(), "tokens": tokens,
+            "params": {"total": total, "embedding": embed, "lm_head": head, "non_embedding": total - embed - head}}
 
 
 def _measure(system: str, n: int, common_args: list[str], timeout: float, round_index: int, rounds: int) -> dict:
@@ -187,6 +200,20 @@ def _measure(system: str, n: int, common_args: list[str], timeout: float, round_
     except Exception as exc:  # noqa: BLE001 - report and keep going with the other systems
         print(f"{label}: FAILED\n{exc}", flush=True)
         return {"system": system, "requests": n, "error": str(exc)}
+
+
+def _small_rounds(args, common_args: list[str]) -> tuple[dict, list[dict]]:
+    """--small: each round one worker process runs every system and request count; each system's fastest round."""
+    runs, matmul = {}, None
+    for round_index in range(args.repeats):
+        out = run_worker(["-m", MODULE, "--worker", "all", "--requests", *map(str, args.requests), "--systems",
+                          *args.systems, *common_args], timeout=args.timeout)
+        matmul = matmul or out["matmul"]
+        for r in out["results"]:
+            rounds = f" (round {round_index + 1}/{args.repeats})" if args.repeats > 1 else ""
+            print(f"  {r['system']:<23} {r['requests']:>3} requests{rounds}: {r['seconds']:8.2f} s", flush=True)
+            runs.setdefault((r["system"], r["requests"]), []).append(r)
+    return matmul, [_best_of(system, n, runs[system, n]) for n in args.requests for system in args.systems]
 
 
 def _best_of(system: str, n: int, measured: list[dict]) -> dict:
@@ -249,30 +276,6 @@ def _paired_cpu_ratios(results: list[dict], r: dict) -> list[float] | None:
 
 
 # --- parent side ---------------------------------------------------------------------------------------
-def plot(path: Path, report: dict) -> None:
-    """Output tok/s against the number of requests, one line per system."""
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, system in enumerate(report["systems"]):
-        points = sorted((r["requests"], r["tok_per_s"]) for r in report["results"]
-                        if r["system"] == system and "tok_per_s" in r)
-        if points:
-            ax.plot(*zip(*points), marker="o", color=f"C{i}", label=system)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(report["requests"], [str(n) for n in report["requests"]])
-    ax.set_xlabel("requests in one generate call")
-    ax.set_ylabel("output tokens / s")
-    model, arch = report["model"], report.get("arch", "llama")
-    name = "Llama" if arch == "llama" else arch
-    ax.set_title(f"random {name} (hidden {model['hidden']}, {model['layers']} layers), {report['max_tokens']} new "
-                 f"tokens/request, {report['threads']} thread{'s' * (report['threads'] != 1)}", fontsize=10)
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-paged bench throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)")
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                              "in this dtype)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of every system, interleaved; each system's fastest round is reported")
-    add_common_args(parser, "throughput", (*SYSTEMS, *EXTRA, "matmul"), timeout=3600,
+    add_common_args(parser, "throughput", (*SYSTEMS, *EXTRA, "matmul", "all"), timeout=3600,
                     plot_help="output tok/s against the number of requests")
     args = parser.parse_args(argv)
     setup = workload(args.arch, args.small)
@@ -306,17 +309,20 @@ def main(argv: list[str] | None = None) -> int:
         + (["--small"] if args.small else []) \
         + (["--threads", str(args.threads)] if args.threads else [])
     load_before = machine_load()
-    matmul = run_worker(["-m", MODULE, "--worker", "matmul", *common_args], timeout=args.timeout)
+    if args.small:  # a smoke run: one process per round for everything (imports dominate such tiny runs)
+        matmul, results = _small_rounds(args, common_args)
+    else:
+        matmul = run_worker(["-m", MODULE, "--worker", "matmul", *common_args], timeout=args.timeout)
+        results = []
+        for n in args.requests:
+            runs = {system: [] for system in args.systems}
+            for round_index in range(args.repeats):  # rounds interleave the systems: slow spells hit all of them
+                for system in args.systems:
+                    runs[system].append(_measure(system, n, common_args, args.timeout, round_index, args.repeats))
+            results.extend(_best_of(system, n, measured) for system, measured in runs.items())
+
     print(f"{args.dtype} matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads",
           flush=True)
-    results = []
-    for n in args.requests:
-        runs = {system: [] for system in args.systems}
-        for round_index in range(args.repeats):  # rounds interleave the systems: slow spells hit all of them
-            for system in args.systems:
-                runs[system].append(_measure(system, n, common_args, args.timeout, round_index, args.repeats))
-        results.extend(_best_of(system, n, measured) for system, measured in runs.items())
-
     params = next((r["params"] for r in results if "params" in r), None)
     limits, rows = {}, []
     vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]

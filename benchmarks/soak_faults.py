@@ -370,8 +370,9 @@ def change_weights(model: torch.nn.Module, llm, rng: random.Random) -> str:
     generator = torch.Generator().manual_seed(rng.randrange(2**31))
     params = [p for p in model.parameters()]
 
-    def noise(p, size):
-        return torch.randn(p.shape, generator=generator, dtype=p.dtype) * size * p.detach().float().std().item()
+    def noise(p, size):  # a one-element tensor (a learned scalar) has no spread: its own magnitude instead
+        spread = p.detach().float().std().item() if p.numel() > 1 else p.detach().float().abs().item()
+        return torch.randn(p.shape, generator=generator, dtype=p.dtype) * size * spread
 
     if kind == "sgd":
         optimizer = torch.optim.SGD(params, lr=1.0)

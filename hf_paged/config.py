@@ -121,9 +121,9 @@ class EngineConfig:
         if self.seed is not None:
             if not is_integer(self.seed):
                 raise InputTypeError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
+            self.seed = int(self.seed)  # first: a 0-d tensor compared with 2**64 overflows
             if not 0 <= self.seed < SEED_LIMIT:
                 raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
-            self.seed = int(self.seed)
         if self.preemption_mode not in ("recompute", "swap", "auto"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or 'auto', got {self.preemption_mode!r}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):

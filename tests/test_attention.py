@@ -1,11 +1,10 @@
 """The torch paged-attention backend against a float64 reference on random data."""
 import random
-import shutil
 
 import pytest
 import torch
 
-from hf_paged.attention import cpu_kernel_status, paged_attention, store_kv
+from hf_paged.attention import paged_attention, store_kv
 
 
 def reference(query, keys, values, query_lens, scale, window, softcap, sinks=None, alibi=None, chunk=None,
@@ -129,56 +128,6 @@ def test_unknown_or_unavailable_backend_is_a_clear_error():
         paged_attention(query, kc, vc, cu, ctx, tables, backend="flash4")
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
-@pytest.mark.parametrize("head_dim, heads, kv_heads, window, softcap", [
-    (64, 8, 2, None, None), (128, 8, 1, None, None), (80, 4, 4, 37, None), (64, 16, 2, 100, 4.0)])
-def test_native_cpu_decode_kernel_builds_and_matches_reference(head_dim, heads, kv_heads, window, softcap):
-    """Decodes only (the kernel's case), long uneven contexts over a shuffled pool; the head dims the kernel
-    specializes (64, 128) and a generic one, GQA / MQA / MHA, sliding window and softcap. 2 sequences (an item per
-    kv head, so few sequences still use every thread) and 40 (an item per sequence, all its kv heads)."""
-    assert cpu_kernel_status() == "loaded"
-    lengths = (1, 15, 16, 17, 100, 257, 64, 3, 190, 33)
-    for seqs in ([(1, n) for n in lengths[4:6]], [(1, n) for n in lengths * 4]):
-        query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, heads, kv_heads, head_dim, 16, torch.float32,
-                                                                 seed=5 + head_dim)
-        scale = head_dim ** -0.5
-        ref = reference(query, keys, values, [1] * len(seqs), scale, window, softcap)
-        native = paged_attention(query, kc, vc, cu, ctx, tables, scale=scale, sliding_window=window,
-                                 softcap=softcap, backend="auto")
-        torch.testing.assert_close(native.double(), ref, atol=2e-5, rtol=2e-5)
-
-
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
-@pytest.mark.parametrize("window, softcap, extra", [(None, None, None), (50, None, "alibi"), (None, 4.0, "sinks")])
-def test_native_cpu_decode_kernel_with_a_key_mask(window, softcap, extra):
-    """The key mask of HF's own loop (padding, gaps): left-out keys take no part, whatever they hold; a sequence
-    with every key left out gets zeros (and, with sinks, the sink alone)."""
-    from hf_paged.attention.cpu_kernel import load_cpu_kernel
-
-    seqs = [(1, n) for n in (1, 17, 100, 64, 33, 40)]
-    heads, kv_heads, head_dim = 8, 2, 64
-    query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, heads, kv_heads, head_dim, 16, torch.float32, 9)
-    gen = torch.Generator().manual_seed(3)
-    masks = [torch.rand(n, generator=gen) > 0.3 for _, n in seqs]
-    masks[1][:9] = False  # left padding
-    masks[4][:] = False  # nothing to attend
-    masks[5][:] = True
-    width = max(n for _, n in seqs) + 5
-    key_mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for row, m in enumerate(masks):
-        key_mask[row, :len(m)] = m
-    per_head = torch.linspace(-1.0, 1.0, heads)
-    sinks, alibi = (per_head, None) if extra == "sinks" else (None, per_head.abs() * 0.1 if extra else None)
-    from hf_paged.attention import LayerExtras
-
-    out = load_cpu_kernel()(query, kc, vc, tables.long(), ctx.long(), head_dim ** -0.5, window, softcap,
-                            LayerExtras(sinks=sinks, alibi_slopes=alibi), key_mask=key_mask)
-    ref = reference(query, keys, values, [1] * len(seqs), head_dim ** -0.5, window, softcap, sinks=sinks,
-                    alibi=alibi, key_masks=masks)
-    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
-    assert not out[4].any()
-
-
 def test_fp8_cache_with_per_layer_scales():
     """fp8 e4m3 pages hold value / scale; the torch backend dequantizes. Error stays at fp8 precision."""
     query, kc, vc, cu, ctx, tables, keys, values = make_case(MIXED, 8, 2, 32, 16, torch.float32, seed=21)
@@ -191,37 +140,6 @@ def test_fp8_cache_with_per_layer_scales():
     assert error < 0.15, error
     unscaled = paged_attention(query, kq, vq, cu, ctx, tables, scale=0.2, backend="torch")
     assert (unscaled.double() - ref).abs().max().item() > 5 * error  # the scales really are applied
-
-
-def test_store_kv_quantizes_into_fp8_pages():
-    cache = torch.zeros(4, 8, 2, 16, dtype=torch.float8_e4m3fn)
-    other = torch.zeros_like(cache)
-    new = torch.randn(3, 2, 16) * 50
-    store_kv(new, new, cache, other, torch.tensor([0, 9, 31]), k_scale=0.5, v_scale=1.0)
-    flat = cache.view(-1, 2, 16).float()
-    torch.testing.assert_close(flat[[0, 9, 31]] * 0.5, new, atol=4.0, rtol=0.07)
-    assert flat[1].abs().sum() == 0
-
-
-def test_a_damaged_cached_cpu_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch):
-    """A truncated .so in the cache (an interrupted copy, a full disk) would kill the process when mapped: the
-    build's size + hash stamp does not match it, so it is rebuilt instead."""
-    from hf_paged import native
-    from hf_paged.attention import cpu_kernel
-
-    monkeypatch.setenv("HF_PAGED_CACHE_DIR", str(tmp_path))
-    try:
-        built = native.build(cpu_kernel.SOURCE)
-    except (RuntimeError, OSError) as e:  # no C compiler here: nothing to check
-        pytest.skip(f"no C compiler: {e}")
-    whole = built.read_bytes()
-    built.write_bytes(whole[: len(whole) // 3])  # truncated in place
-    assert not native.is_complete(built)
-    again = native.build(cpu_kernel.SOURCE)
-    assert again == built and len(again.read_bytes()) > len(whole) // 3 and native.is_complete(again)
-    built.with_suffix(".sha256").unlink()  # a build without its stamp (e.g. from an older version) is rebuilt too
-    assert not native.is_complete(built)
-    cpu_kernel.CpuDecodeKernel(native.build(cpu_kernel.SOURCE))  # and loads
 
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])

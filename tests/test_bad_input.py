@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import hf_paged.engine.memory as memory_module
-from hf_paged import LLM, EngineConfig, SamplingParams
+from hf_paged import LLM, SamplingParams
 from hf_paged.config import InputTypeError
-from hf_paged.kv import KVCacheSpec
 
 from conftest import cached_model
 
@@ -229,17 +228,6 @@ def test_kv_budget_is_checked_against_available_host_memory(model, monkeypatch):
     with pytest.raises(ValueError, match=r"101 blocks x 8192 bytes = 0\.00 GiB\) exceeds the available host memory"):
         LLM(model, num_blocks=100)
     LLM(model, num_blocks=99).generate(GOOD, GREEDY, use_tqdm=False)  # 99 + the null block fit exactly
-
-
-def test_kv_budget_on_cuda_is_checked_against_free_device_memory(monkeypatch):
-    """The CUDA branch, without a GPU: the pool must fit the device's free memory (host memory is not asked)."""
-    spec = KVCacheSpec(2, 2, 16, torch.float32, torch.device("cuda", 0))
-    per_block = spec.bytes_per_block(8)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * per_block, 1 << 40))
-    monkeypatch.setattr(memory_module, "available_host_memory", lambda: 0)
-    with pytest.raises(ValueError, match=r"\(num_blocks=100: 101 blocks .* exceeds the free memory of cuda:0"):
-        memory_module.check_memory_budget(spec, EngineConfig(block_size=8, num_blocks=100), 100)
-    memory_module.check_memory_budget(spec, EngineConfig(block_size=8, num_blocks=99), 99)
 
 
 def test_max_model_len_beyond_the_position_table():

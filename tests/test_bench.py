@@ -100,9 +100,11 @@ def test_throughput_hybrid_smoke(tmp_path, monkeypatch):
         return emitted.pop()
 
     monkeypatch.setattr(throughput, "run_worker", in_process)
+    # the full run's path (a worker per system and round) on the --small sizes (--small itself runs one worker)
+    monkeypatch.setitem(throughput.HYBRID_SETUPS, "qwen3_5_text", (throughput.HYBRID_SETUPS["qwen3_5_text"][1],) * 2)
     threads = torch.get_num_threads()
     try:
-        assert throughput.main(["--small", "--arch", "qwen3_5_text", "--requests", "3", "--max-tokens", "3",
+        assert throughput.main(["--arch", "qwen3_5_text", "--requests", "3", "--max-tokens", "3",
                                 "--threads", "1", "--repeats", "2", "--json", str(tmp_path / "t.json")]) == 0
     finally:
         torch.set_num_threads(threads)

@@ -1,6 +1,7 @@
 """The CUDA sources in csrc/ compile, without a GPU: every kernel of paged_attention.cu through nvcc + ptxas
 (Hopper sm_90a and Ampere sm_80, register / spill report printed, no spills allowed in the decode kernels), and
-bindings.cpp against torch's headers with the host compiler. Plus the CUDA backend's CPU-side rules.
+bindings.cpp against torch's headers with the host compiler. (The backend's CPU-side rules are
+test_attention_backends_cuda.py's, its build and installed sources test_cuda_backend.py's.)
 
 Run with -s to see the ptxas table. Skips (with the reason) where nvcc or a host compiler is missing.
 """
@@ -8,16 +9,10 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_attention import MIXED, make_case
-
-from hf_paged.attention import cuda_backend, why_not
-from hf_paged.attention.backends.cuda import CudaBackend
-from hf_paged.attention.metadata import AttentionMetadata
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 NVCC = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
@@ -112,63 +107,3 @@ def test_bindings_compile_against_torch_headers(tmp_path):
                           capture_output=True, text=True, timeout=300, check=False)
     errors = [line for line in proc.stderr.splitlines() if "bindings.cpp" in line and "error" in line]
     assert proc.returncode == 0 and not errors, proc.stderr[-4000:]
-
-
-# ---- the backend's CPU-side rules --------------------------------------------------------------------------
-def _decode_case(head_dim=64, dtype=torch.float16, seqs=((1, 5), (1, 17))):
-    query, kc, _, _, ctx, tables, *_ = make_case(list(seqs), 8, 2, head_dim, 16, dtype, seed=0)
-    qlens = [q for q, _ in seqs]
-    meta = AttentionMetadata.build(qlens, ctx.tolist(), tables.tolist(), [0] * sum(qlens), 16, "cpu")
-    return query, kc, meta
-
-
-def test_cuda_backend_reasons_on_cpu():
-    query, kc, meta = _decode_case()
-    assert "CUDA tensors" in CudaBackend.unavailable_reason(torch.device("cpu"))
-    assert "CUDA tensors" in why_not("cuda", query, kc, meta, None, None)
-    if not torch.cuda.is_available():
-        assert cuda_backend.prerequisites_missing() is not None
-        assert CudaBackend.unavailable_reason(torch.device("cuda")) == cuda_backend.prerequisites_missing()
-    backend = CudaBackend()
-    assert not backend.prefill and backend.decode and backend.graph_capturable and not backend.fp8
-    assert backend.unsupported_reason(query, kc, meta, None, None) is None
-    assert backend.unsupported_reason(query, kc, meta, 4, 30.0) is None  # window and softcap: supported
-    assert "does not read scaled fp8 caches" in backend.unsupported_reason(query, kc.to(torch.float8_e4m3fn), meta,
-                                                                           None, None)
-    query, kc, meta = _decode_case(seqs=MIXED)
-    assert "decode-only" in backend.unsupported_reason(query, kc, meta, None, None)
-    query, kc, meta = _decode_case(head_dim=96)
-    assert "head_dim" in backend.unsupported_reason(query, kc, meta, None, None)
-    query, kc, meta = _decode_case(dtype=torch.float64)
-    assert "float32 / float16 / bfloat16" in backend.unsupported_reason(query, kc, meta, None, None)
-    query, kc, meta = _decode_case(dtype=torch.float32)
-    assert "KV cache" in backend.unsupported_reason(query, kc.half(), meta, None, None)
-
-
-def test_build_ahead_flag():
-    """HF_PAGED_BUILD_CUDA=1 builds at import where it can (on a GPU machine: the build, cached afterwards);
-    elsewhere importing still works and the module says why there is no extension."""
-    proc = subprocess.run([sys.executable, "-m", "hf_paged.attention.cuda_backend"], capture_output=True, text=True,
-                          env={**os.environ, "HF_PAGED_BUILD_CUDA": "1"}, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr
-    assert "hf_paged CUDA extension:" in proc.stdout
-    if not torch.cuda.is_available():
-        assert "loaded" not in proc.stdout
-
-
-def test_installed_package_carries_the_cuda_sources(tmp_path):
-    """setup.py's build_py copies csrc/ into the package (hf_paged/_csrc), and the backend of a package
-    installed that way reads its sources from there, not from a repository that is no longer around."""
-    root = Path(__file__).resolve().parents[1]
-    build = tmp_path / "build"
-    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(build)], cwd=root,
-                          capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in cuda_backend.SOURCES + cuda_backend.HEADERS:
-        assert (build / "hf_paged" / "_csrc" / name).read_bytes() == (CSRC / name).read_bytes()
-    env = {k: v for k, v in os.environ.items() if k != "HF_PAGED_CSRC"}
-    env["PYTHONPATH"] = str(build)
-    code = "from hf_paged.attention import cuda_backend as c; print(c.CSRC)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert Path(out) == build / "hf_paged" / "_csrc"

@@ -152,23 +152,6 @@ def test_blocks_of_a_failed_request_are_cleared_before_reuse():
     llm.engine.check_idle()
 
 
-def test_streaming_api_add_step_abort(llama):
-    llm = LLM(llama)
-    a = llm.add_request([3, 4, 5], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    b = llm.add_request([6, 7], GREEDY)
-    seen = {a: 0, b: 0}
-    for _ in range(3):
-        for out in llm.step():
-            seen[out.request_id] += 1
-    assert seen[a] == seen[b] == 3
-    assert llm.abort(a)
-    while llm.has_unfinished_requests():
-        llm.step()
-    assert llm.stats()["num_blocks_free"] == llm.stats()["num_blocks_total"]
-    with pytest.raises(ValueError, match="already in use"):
-        llm.add_request([1, 2], request_id="x") and llm.add_request([1, 2], request_id="x")
-
-
 def test_unsupported_models_get_a_clear_error():
     from transformers import AutoModelForCausalLM, DeepseekV32Config, T5Config, T5ForConditionalGeneration
 
@@ -249,22 +232,3 @@ def test_an_eos_id_outside_the_vocabulary_is_ignored(llama):
     finally:
         llama.generation_config.eos_token_id = saved
     assert out.finish_reason in ("length", "stop") and len(out.token_ids) >= 3
-
-
-def test_add_request_keeps_its_own_copy_of_the_params(llama):
-    """Changing the caller's SamplingParams after add_request changes no queued request (it used to: fewer tokens,
-    other stop ids, or a wedged engine)."""
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[])
-    expected = LLM(llama).generate([[3, 4, 5], [6, 7]], params, use_tqdm=False)
-    llm = LLM(llama)
-    ids = [llm.add_request(p, params) for p in ([3, 4, 5], [6, 7])]
-    params.max_tokens = 2
-    params.stop_token_ids.append(expected[0].token_ids[3])
-    params.n = 3
-    params.temperature = 1.0
-    finished = {}
-    while llm.has_unfinished_requests():
-        for out in llm.step():
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-    assert [finished[i] for i in ids] == [o.token_ids for o in expected]

@@ -146,21 +146,3 @@ def test_values_beyond_the_scales_saturate_and_in_range_values_survive():
     assert k[1, 0, 0] == FP8_MAX * k_scale and v[1, 0, 0] == -FP8_MAX * v_scale
     torch.testing.assert_close(k[2:], key[2:], rtol=0.07, atol=2 ** -9 * k_scale)
     torch.testing.assert_close(v[2:], value[2:], rtol=0.07, atol=2 ** -9 * v_scale)
-
-
-def test_scales_must_be_set_and_their_fingerprint_follows_them():
-    cache = fp8_cache()
-    with pytest.raises(RuntimeError, match="set_scales"):
-        cache.scales_for(0, torch.zeros(1), torch.zeros(1))
-    cache.set_scales([(0.1, 0.2), (0.3, 0.4)])
-    first = cache.scales_fingerprint()
-    same = fp8_cache()
-    same.set_scales([(0.1, 0.2), (0.3, 0.4)])
-    assert same.scales_fingerprint() == first and len(first) == 16
-    cache.set_scales([(0.1, 0.2), (0.3, 0.4000001)])
-    assert cache.scales_fingerprint() != first
-    for bad in ([(0.1, 0.2)], [(0.1, 0.0), (0.3, 0.4)], [(0.1, math.inf), (0.3, 0.4)]):
-        with pytest.raises(ValueError):
-            cache.set_scales(bad)
-    plain = KVCache(KVCacheSpec(2, 2, 8, torch.float32, torch.device("cpu")), 4, 4)
-    assert plain.scales_fingerprint() == "" and plain.scales_for(1, torch.zeros(1), torch.zeros(1)) == (1.0, 1.0)

@@ -220,15 +220,3 @@ def test_unsupported_options_fall_back_to_hf_batches(model, tok, engine_rows, ca
     assert out == ref
     assert engine_rows == [2, 2]  # HF's batches, each generate call on the engine
     assert "repetition_penalty" in caplog.text and "batch by batch" in caplog.text
-
-
-def test_disable_restores_the_pipeline():
-    from transformers.pipelines.base import Pipeline
-    from transformers.pipelines.text_generation import TextGenerationPipeline
-
-    assert TextGenerationPipeline.get_iterator is not Pipeline.get_iterator
-    hf_paged.disable()
-    try:
-        assert TextGenerationPipeline.get_iterator is Pipeline.get_iterator
-    finally:
-        hf_paged.enable()

@@ -64,7 +64,7 @@ def test_backends_without_extras_refuse_them():
 def test_layers_with_extras_never_reach_a_backend_without_them(monkeypatch):
     """A decode-only "cuda" backend without extras serves the plain layers of a decode step; a layer with sinks on
     the same step goes to a backend that implements them (here, on CPU, torch), exactly."""
-    from test_attention_backends import DecodeOnly, call
+    from test_dispatch import DecodeOnly, call
 
     from hf_paged.attention import dispatch
 

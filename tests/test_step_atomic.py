@@ -186,13 +186,3 @@ def test_a_failure_while_undoing_refuses_further_steps(model, monkeypatch):
         llm.step()
     assert Request.restore  # the rest of the undo ran: the pool's journal is closed
     assert llm.engine.scheduler.kv.pool._journal is None
-
-
-def test_overlapping_copies_within_one_storage_are_not_merged():
-    """Found by review: copy-on-write copies (2 -> 1), (3 -> 2) were merged into one slice copy whose source and
-    destination overlap (no defined element order on a GPU)."""
-    from hf_paged.kv.swap import contiguous_runs
-
-    assert contiguous_runs([2, 3], [1, 2], disjoint=True) == [(2, 1, 1), (3, 2, 1)]
-    assert contiguous_runs([1, 2, 3], [7, 8, 9], disjoint=True) == [(1, 7, 3)]
-    assert contiguous_runs([2, 3], [1, 2]) == [(2, 1, 2)]  # between two storages a run may look like that

@@ -1,8 +1,5 @@
 """`SamplingParams.stop`: a request ends when its text contains a stop string, and each step decodes only a tail."""
-import pytest
-
 from hf_paged import LLM, SamplingParams
-from hf_paged.request import find_stop_string
 
 
 class LetterTokenizer:
@@ -59,19 +56,6 @@ def test_each_step_decodes_a_bounded_tail(llama):
     assert out.finish_reason == "length"
     per_step = tokenizer.decoded_lengths[:-1]  # the last decode is the final text, once
     assert len(per_step) >= 119 and max(per_step) <= 16, max(per_step)
-
-
-@pytest.mark.parametrize("pieces, stops, expected", [
-    (["ab", "c", "de"], ["cd"], "cd"),  # across tokens
-    (["x"] * 50 + ["st", "op"], ["stop"], "stop"),
-    (["", "", "", "", "", "", "", "", "", "s", "top"], ["stop"], "stop"),  # empty tokens: the tail grows
-    (["abc"], ["zz"], None),
-])
-def test_find_stop_string_on_token_pieces(pieces, stops, expected):
-    def detokenize(ids):
-        return "".join(pieces[i] for i in ids)
-
-    assert find_stop_string(list(range(len(pieces))), stops, detokenize) == expected
 
 
 def test_a_stop_string_only_before_min_tokens_does_not_stop(llama):

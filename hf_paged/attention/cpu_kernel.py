@@ -23,20 +23,23 @@ _status: dict[str, str] = {}
 
 class CpuDecodeKernel:
     def __init__(self, path: Path):
-        fn = ctypes.CDLL(str(path)).paged_decode_f32
+        library = ctypes.CDLL(str(path))
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, ptr, ptr, i64, ptr, i64, i64, i64]
-        fn.restype = None
-        self.fn = fn
+        self.fns = {torch.float32: library.paged_decode_f32, torch.bfloat16: library.paged_decode_bf16}
+        for fn in self.fns.values():
+            fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, ptr, ptr, i64, ptr, i64, i64, i64]
+            fn.restype = None
 
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, sliding_window: int | None,
                  softcap: float | None, extras: LayerExtras | None = None,
                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """query [G, H, D] fp32 (one token per sequence) -> [G, H, D]; tables int64 [G, B], context_lens int64 [G].
+        """query [G, H, D] in the pages' dtype (one token per sequence) -> [G, H, D]; tables int64 [G, B], context_lens
+        int64 [G].
         `extras`: the layer's sinks / ALiBi slopes / attention chunk (LayerExtras), all implemented here.
         `key_mask`: bool [G, >= max context], False for keys to leave out (a row with none left gets zeros)."""
-        query = query.contiguous()  # the packed rows may come as a transposed view of [H, T, D]
+        dtype = query.dtype  # fp32 or bf16 (the pages' dtype): the kernel computes in fp32
+        query = query.to(torch.float32).contiguous()  # the packed rows may come as a transposed view of [H, T, D]
         groups, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
         max_blocks = block_tables.shape[1]
@@ -54,9 +57,10 @@ class CpuDecodeKernel:
             if key_mask.shape[0] != groups or key_mask.shape[1] < int(context_lens.max()):
                 raise ValueError(f"key_mask of shape {tuple(key_mask.shape)} does not cover {groups} sequences' keys")
             mask = key_mask.to(device="cpu", dtype=torch.uint8).contiguous()
-        self.fn(*args, *(0 if t is None else t.data_ptr() for t in per_head), chunk,
-                0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1], 0, groups)
-        return out
+        self.fns[key_cache.dtype](*args, *(0 if t is None else t.data_ptr() for t in per_head), chunk,
+                                  0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1], 0,
+                                  groups)
+        return out.to(dtype)
 
 
 def _per_head(values: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
@@ -82,5 +86,6 @@ def cpu_kernel_status() -> str:
 
 
 def usable(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    return (query.device.type == "cpu" and query.dtype == torch.float32 and key_cache.dtype == torch.float32
-            and key_cache.is_contiguous() and query.shape[-1] <= 256)
+    """fp32 or bf16 pages (the query in the same dtype), contiguous, head dim up to 256, on the CPU."""
+    return (query.device.type == "cpu" and key_cache.dtype in (torch.float32, torch.bfloat16)
+            and query.dtype == key_cache.dtype and key_cache.is_contiguous() and query.shape[-1] <= 256)

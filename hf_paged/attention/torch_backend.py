@@ -152,7 +152,7 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           ) -> torch.Tensor:
     """query [T, H, D] -> output [T, H, D]; the new tokens' K/V must already be stored.
     With the new tokens' `key` / `value` ([T, H_kv, D]) fresh prompts skip the page gather.
-    `native_decode` lets fp32 decodes on CPU use the native kernel when it could be built (it implements the
+    `native_decode` lets fp32 and bf16 decodes on CPU use the native kernel when it could be built (it implements the
     LayerExtras too). `extras`: sinks / ALiBi / attention chunks of this layer (None: plain attention)."""
     if extras is not None and not extras.any():
         extras = None

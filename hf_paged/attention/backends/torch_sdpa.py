@@ -1,5 +1,5 @@
 """The `torch` backend: plain torch (SDPA over dense groups, attention/torch_backend.py) on any device and dtype,
-plus, when "auto" chooses it, the native CPU decode kernel (attention/cpu_kernel.py) for fp32 decodes."""
+plus, when "auto" chooses it, the native CPU decode kernel (attention/cpu_kernel.py) for fp32 and bf16 decodes."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +11,7 @@ from .base import AttentionBackend
 
 
 class TorchBackend(AttentionBackend):
-    """Serves every call. `native_decode`: fp32 decodes on CPU run the native kernel where it could be built
+    """Serves every call. `native_decode`: fp32 and bf16 decodes on CPU run the native kernel where it could be built
     ("auto" turns it on; the explicitly named "torch" backend stays plain torch, the reference)."""
 
     name = "torch"

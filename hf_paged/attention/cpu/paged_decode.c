@@ -1,4 +1,6 @@
-/* Paged decode attention for CPUs (fp32): one query token per sequence, K/V read in place from the pages.
+/* Paged decode attention for CPUs: one fp32 query token per sequence, K/V read in place from the pages, which hold
+ * fp32 (`paged_decode_f32`) or bf16 (`paged_decode_bf16`: each element widened to fp32 as it is read; the sums run
+ * in fp32, as torch's bf16 attention on CPU accumulates).
  *
  * q, out:        [num_seqs, num_heads, head_dim]                contiguous
  * key/value:     [num_blocks, block_size, num_kv_heads, head_dim] contiguous (NHD pages)
@@ -51,6 +53,14 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* A bf16 value widened to fp32 (its 16 bits are the top half of the float's). */
+ALWAYS_INLINE float bf16_value(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
 /* The keys an item attends, in order: for each token t in [start, ctx) whose `key_mask` byte is not 0 (every token
  * without a mask), offsets[i] = element offset of its K row (and V row: both caches share one layout) for kv head
  * `kv_offset / head_dim`, tokens[i] = t. Returns their count. The table is walked block by block, so no token pays a
@@ -74,16 +84,17 @@ static int64_t attended_keys(const int64_t *restrict table, int64_t start, int64
 /* Rows are read through a list of offsets into scattered blocks, which the hardware prefetcher cannot follow across
  * a block boundary: each pass asks for the row PREFETCH_AHEAD keys ahead itself. */
 #define PREFETCH_AHEAD 8
-ALWAYS_INLINE void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t f = 0; f < floats; f += 16) __builtin_prefetch(row + f, 0, 3);
+ALWAYS_INLINE void prefetch_row(const void *cache, int64_t offset, int64_t elements, int bf16) {
+    const char *row = (const char *)cache + offset * (bf16 ? 2 : 4);
+    for (int64_t byte = 0; byte < elements * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(row + byte, 0, 3);
 }
 
 /* One item: `num_kv` consecutive kv heads of one sequence (their per_kv query heads each) over its `count` keys.
  * `head_dim` is a compile-time constant at the specialized call sites below, which lets the compiler unroll the
  * per-row loops completely. `offsets`, `tokens` as filled by attended_keys (offsets of the item's first kv head); the
  * query sits at position ctx - 1. */
-ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict key_cache,
-                               const float *restrict value_cache, const int64_t *restrict offsets,
+ALWAYS_INLINE void decode_item(const float *restrict qg, const void *restrict key_cache,
+                               const void *restrict value_cache, int bf16, const int64_t *restrict offsets,
                                const int64_t *restrict tokens, float *restrict sg, float *restrict og, int64_t ctx,
                                int64_t count, int64_t per_kv, int64_t num_kv, int64_t head_dim,
                                int64_t max_context, float scale, float softcap, const float *restrict alibi,
@@ -92,14 +103,21 @@ ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict k
     for (int64_t i = 0; i < heads * head_dim; ++i) og[i] = 0.f;
     if (count == 0) return;
     for (int64_t i = 0; i < count; ++i) {
-        if (i + PREFETCH_AHEAD < count) prefetch_row(key_cache + offsets[i + PREFETCH_AHEAD], num_kv * head_dim);
+        if (i + PREFETCH_AHEAD < count) prefetch_row(key_cache, offsets[i + PREFETCH_AHEAD], num_kv * head_dim, bf16);
         for (int64_t kv = 0; kv < num_kv; ++kv) {
-            const float *restrict k = key_cache + offsets[i] + kv * head_dim;
+            const int64_t at = offsets[i] + kv * head_dim;
             for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
                 const float *restrict qh = qg + g * head_dim;
                 float acc = 0.f;
+                if (bf16) {
+                    const uint16_t *restrict k = (const uint16_t *)key_cache + at;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
+                    for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * bf16_value(k[d]);
+                } else {
+                    const float *restrict k = (const float *)key_cache + at;
+#pragma omp simd reduction(+ : acc)
+                    for (int64_t d = 0; d < head_dim; ++d) acc += qh[d] * k[d];
+                }
                 sg[g * max_context + i] = acc * scale;
             }
         }
@@ -123,25 +141,33 @@ ALWAYS_INLINE void decode_item(const float *restrict qg, const float *restrict k
         for (int64_t i = 0; i < count; ++i) sh[i] *= inv;
     }
     for (int64_t i = 0; i < count; ++i) {
-        if (i + PREFETCH_AHEAD < count) prefetch_row(value_cache + offsets[i + PREFETCH_AHEAD], num_kv * head_dim);
+        if (i + PREFETCH_AHEAD < count)
+            prefetch_row(value_cache, offsets[i + PREFETCH_AHEAD], num_kv * head_dim, bf16);
         for (int64_t kv = 0; kv < num_kv; ++kv) {
-            const float *restrict v = value_cache + offsets[i] + kv * head_dim;
+            const int64_t at = offsets[i] + kv * head_dim;
             for (int64_t g = kv * per_kv; g < (kv + 1) * per_kv; ++g) {
                 const float w = sg[g * max_context + i];
                 float *restrict o = og + g * head_dim;
+                if (bf16) {
+                    const uint16_t *restrict v = (const uint16_t *)value_cache + at;
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
+                    for (int64_t d = 0; d < head_dim; ++d) o[d] += w * bf16_value(v[d]);
+                } else {
+                    const float *restrict v = (const float *)value_cache + at;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; ++d) o[d] += w * v[d];
+                }
             }
         }
     }
 }
 
-void paged_decode_f32(const float *q, const float *key_cache, const float *value_cache,
-                      const int64_t *block_tables, const int64_t *context_lens, float *out, float *scores,
-                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                      int64_t max_blocks, int64_t max_context, float scale, int64_t window, float softcap,
-                      const float *alibi, const float *sinks, int64_t chunk, const uint8_t *key_mask,
-                      int64_t mask_stride, int64_t first, int64_t last) {
+ALWAYS_INLINE void paged_decode(const float *q, const void *key_cache, const void *value_cache, int bf16,
+                              const int64_t *block_tables, const int64_t *context_lens, float *out, float *scores,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                              int64_t max_blocks, int64_t max_context, float scale, int64_t window, float softcap,
+                              const float *alibi, const float *sinks, int64_t chunk, const uint8_t *key_mask,
+                              int64_t mask_stride, int64_t first, int64_t last) {
     const int64_t per_kv = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* one token's K (or V) for all kv heads: contiguous */
     /* Enough sequences to keep every thread busy: an item is a whole sequence, which reads each token's K and V
@@ -170,7 +196,7 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
                                             kv * head_dim, mask, offsets, tokens);
         const float *alibi_g = alibi != NULL ? alibi + kv * per_kv : NULL;
         const float *sinks_g = sinks != NULL ? sinks + kv * per_kv : NULL;
-#define ITEM(D) decode_item(qg, key_cache, value_cache, offsets, tokens, sg, og, ctx, count, per_kv, kv_per_item, D, \
+#define ITEM(D) decode_item(qg, key_cache, value_cache, bf16, offsets, tokens, sg, og, ctx, count, per_kv, kv_per_item, D, \
                             max_context, scale, softcap, alibi_g, sinks_g)
         switch (head_dim) {
             case 64: ITEM(64); break;
@@ -181,3 +207,17 @@ void paged_decode_f32(const float *q, const float *key_cache, const float *value
 #undef ITEM
     }
 }
+
+#define PAGED_DECODE_ARGS(KV_T)                                                                                     \
+    const float *q, const KV_T *key_cache, const KV_T *value_cache, const int64_t *block_tables,                  \
+    const int64_t *context_lens, float *out, float *scores, int64_t num_heads, int64_t num_kv_heads,               \
+    int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_context, float scale, int64_t window,    \
+    float softcap, const float *alibi, const float *sinks, int64_t chunk, const uint8_t *key_mask,                 \
+    int64_t mask_stride, int64_t first, int64_t last
+#define PAGED_DECODE_CALL(BF16)                                                                                     \
+    paged_decode(q, key_cache, value_cache, BF16, block_tables, context_lens, out, scores, num_heads, num_kv_heads, \
+                 head_dim, block_size, max_blocks, max_context, scale, window, softcap, alibi, sinks, chunk,       \
+                 key_mask, mask_stride, first, last)
+
+void paged_decode_f32(PAGED_DECODE_ARGS(float)) { PAGED_DECODE_CALL(0); }
+void paged_decode_bf16(PAGED_DECODE_ARGS(uint16_t)) { PAGED_DECODE_CALL(1); }

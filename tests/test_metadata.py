@@ -1,0 +1,46 @@
+"""attention/metadata.py: one step's packed description: cumulative query lengths, tables padded with the null block,
+decodes / fresh prompts / continued prefills planned apart, long decode groups split by length, and the dense masks."""
+import torch
+
+from hf_paged.attention import AttentionMetadata
+
+CPU = torch.device("cpu")
+
+
+def build(query_lens, context_lens, block_size=4):
+    tables = [list(range(1 + 10 * i, 1 + 10 * i + -(-c // block_size))) for i, c in enumerate(context_lens)]
+    return AttentionMetadata.build(query_lens, context_lens, tables, list(range(sum(query_lens))), block_size, CPU)
+
+
+def test_each_kind_of_sequence_is_planned_apart():
+    meta = build([1, 5, 3, 1], [9, 5, 7, 2])  # decode, fresh prompt, chunk after 4 cached, decode
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 6, 9, 10] and meta.max_query_len == 5 and meta.max_context_len == 9
+    assert meta.block_tables[3].tolist() == [31, 0, 0]  # padded with the null block
+    assert meta.fresh == [(1, 6)]
+    (decodes,) = meta.decode_groups()
+    assert decodes.rows.tolist() == [0, 9] and decodes.query_start.flatten().tolist() == [8, 1]
+    (chunk,) = meta.other_groups()
+    assert chunk.rows.tolist() == [6, 7, 8] and chunk.positions().tolist() == [[4, 5, 6]] and chunk.kv_len == 8
+    assert meta.all_decodes() is decodes
+
+
+def test_many_decodes_of_very_different_lengths_are_split():
+    lengths = [3] * 8 + [200] * 8
+    meta = build([1] * 16, lengths)
+    groups = meta.decode_groups()
+    assert [sorted(g.context_lens.flatten().tolist()) for g in groups] == [[3] * 8, [200] * 8]
+    assert meta.all_decodes().rows.tolist() == list(range(16))  # one group of them all, for ragged kernels
+    assert len(build([1] * 16, [190 + i for i in range(16)]).decode_groups()) == 1  # no saving: one group
+
+
+def test_the_dense_mask_is_causal_at_the_bottom_right_with_window_and_chunk():
+    meta = build([3, 2], [5, 6])  # two continued prefills, padded to 3 queries
+    (group,) = meta.other_groups()
+    mask = group.mask(None)[:, 0]
+    assert mask[0, 0, :5].tolist() == [True, True, True, False, False]  # query at position 2 sees keys 0..2
+    assert mask[1, 2].all()  # a padding row attends to everything (its output is dropped)
+    windowed = group.mask(2)[:, 0]
+    assert windowed[0, 2, :6].tolist() == [False, False, False, True, True, False]
+    chunked = group.mask(None, 4)[:, 0]
+    assert chunked[1, 1, :6].tolist() == [False, False, False, False, True, True]  # position 5: its chunk is 4..7
+    assert group.mask(None) is group.mask(None)  # built once per step and kept for the other layers

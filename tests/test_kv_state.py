@@ -82,3 +82,21 @@ def test_a_failed_step_forgets_every_checkpoint_it_assigned():
     store.commit()
     store.clear()
     store.store.check_all_free()
+
+
+def test_slots_read_in_place_for_a_range():
+    """Slots that form a range are read as the slots' own storage (written in place, no copy back); others as a
+    copy that `write` stores."""
+    slots = StateSlots("cpu", 4)
+    key = (0, "recurrent", 0)
+    slots.write(key, torch.arange(4), torch.arange(4.0)[:, None].repeat(1, 3))
+    ids = torch.tensor([1, 2])
+    view = slots.read(key, ids, slice(1, 3))
+    view.add_(10)
+    slots.write(key, ids, view, slice(1, 3))
+    assert slots.tensors[key][:, 0].tolist() == [0, 11, 12, 3]
+    copy = slots.read(key, torch.tensor([0, 3]))
+    copy.add_(100)
+    assert slots.tensors[key][:, 0].tolist() == [0, 11, 12, 3]
+    slots.write(key, torch.tensor([0, 3]), copy)
+    assert slots.tensors[key][:, 0].tolist() == [100, 11, 12, 103]

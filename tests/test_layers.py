@@ -35,7 +35,6 @@ NO_TEST_FILE_YET = {
     "bench/beam", "bench/chunked", "bench/common", "bench/demo", "bench/memory", "bench/prefix", "bench/serve",
     "bench/swap", "bench/throughput", "bench/throughput_plot", "bench/window",
     "integrations/generate_run",
-    "model/gated_delta", "model/state_layers",
 }
 
 

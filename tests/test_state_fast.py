@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.kv.state import StateSlots
-from hf_paged.model import gated_delta, state_fast
+from hf_paged.model import state_fast
 from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import tiny_hybrid
 
@@ -119,52 +118,3 @@ def test_transformers_and_plain_forwards_untouched(always_fast):
     assert type(model.model.layers[0].linear_attn).forward is forward
     with torch.no_grad():
         assert torch.equal(model(ids).logits, plain)
-
-
-@pytest.mark.parametrize("length,heads,start", [(5, 4, False), (37, 2, True), (48, 4, True)])
-def test_chunk_rule_matches_transformers(length, heads, start):
-    """Several chunks, a partial last one, grouped heads, an initial state: transformers' outputs and final state."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
-
-    gen = torch.Generator().manual_seed(length)
-    q, k = (torch.randn(2, length, heads, 16, generator=gen) for _ in range(2))
-    v = torch.randn(2, length, 4, 8, generator=gen)
-    g, beta = -torch.rand(2, length, 4, generator=gen), torch.rand(2, length, 4, generator=gen)
-    state = torch.randn(2, 4, 16, 8, generator=gen) if start else None
-    args = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    want_out, want_state = reference(q, k, v, **args)
-    got_out, got_state = gated_delta.chunk_rule(reference, chunk=16)(q, k, v, **args)
-    assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_state, want_state, atol=1e-5)
-
-
-def test_recurrent_step_matches_transformers_in_place():
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule as reference
-
-    gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(3, 1, 2, 16, generator=gen) for _ in range(2))
-    v = torch.randn(3, 1, 4, 8, generator=gen)
-    g, beta = -torch.rand(3, 1, 4, generator=gen), torch.rand(3, 1, 4, generator=gen)
-    state = torch.randn(3, 4, 16, 8, generator=gen)
-    args = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    want_out, want_state = reference(q, k, v, initial_state=state.clone(), **args)
-    got_out, got_state = gated_delta.recurrent_step(reference)(q, k, v, initial_state=state, **args)
-    assert got_state is state  # updated in place
-    assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_state, want_state, atol=1e-5)
-
-
-def test_slots_read_in_place_for_a_range():
-    """Slots that form a range are read as the slots' own storage (written in place, no copy back); others as a
-    copy that `write` stores."""
-    slots = StateSlots("cpu", 4)
-    key = (0, "recurrent", 0)
-    slots.write(key, torch.arange(4), torch.arange(4.0)[:, None].repeat(1, 3))
-    ids = torch.tensor([1, 2])
-    view = slots.read(key, ids, slice(1, 3))
-    view.add_(10)
-    slots.write(key, ids, view, slice(1, 3))
-    assert slots.tensors[key][:, 0].tolist() == [0, 11, 12, 3]
-    copy = slots.read(key, torch.tensor([0, 3]))
-    copy.add_(100)
-    assert slots.tensors[key][:, 0].tolist() == [0, 11, 12, 3]
-    slots.write(key, torch.tensor([0, 3]), copy)
-    assert slots.tensors[key][:, 0].tolist() == [100, 11, 12, 103]

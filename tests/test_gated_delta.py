@@ -1,0 +1,87 @@
+"""model/gated_delta.py: the gated delta rule's single-token step and chunked form, and the short convolution's
+step and sequence form, against transformers' torch reference code (the native steps where they build, and the torch
+fallbacks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_paged.model import gated_delta
+from hf_paged.model.state_layers import StateRun
+from hf_paged.kv.state import StateSlots
+
+
+@pytest.fixture(params=["native", "torch"])
+def steps(request, monkeypatch):
+    """The native steps, or none (the torch fallbacks)."""
+    if request.param == "torch":
+        monkeypatch.setattr(gated_delta, "native_steps", lambda: None)
+    elif gated_delta.native_steps() is None:
+        pytest.skip("no C compiler here")
+    return request.param
+
+
+@pytest.mark.parametrize("length,heads,start", [(5, 4, False), (37, 2, True), (48, 4, True)])
+def test_chunk_rule_matches_transformers(length, heads, start):
+    """Several chunks, a partial last one, grouped heads, an initial state: transformers' outputs and final state."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
+
+    gen = torch.Generator().manual_seed(length)
+    q, k = (torch.randn(2, length, heads, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, length, 4, 8, generator=gen)
+    g, beta = -torch.rand(2, length, 4, generator=gen), torch.rand(2, length, 4, generator=gen)
+    state = torch.randn(2, 4, 16, 8, generator=gen) if start else None
+    args = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_out, want_state = reference(q, k, v, **args)
+    got_out, got_state = gated_delta.chunk_rule(reference, chunk=16)(q, k, v, **args)
+    assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_state, want_state, atol=1e-5)
+
+
+def test_recurrent_step_matches_transformers_in_place():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule as reference
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(3, 1, 2, 16, generator=gen) for _ in range(2))
+    v = torch.randn(3, 1, 4, 8, generator=gen)
+    g, beta = -torch.rand(3, 1, 4, generator=gen), torch.rand(3, 1, 4, generator=gen)
+    state = torch.randn(3, 4, 16, 8, generator=gen)
+    args = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_out, want_state = reference(q, k, v, initial_state=state.clone(), **args)
+    got_out, got_state = gated_delta.recurrent_step(reference)(q, k, v, initial_state=state, **args)
+    assert got_state is state  # updated in place
+    assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_state, want_state, atol=1e-5)
+
+
+def test_recurrent_step_torch_fallback_matches_transformers(monkeypatch):
+    monkeypatch.setattr(gated_delta, "native_steps", lambda: None)
+    test_recurrent_step_matches_transformers_in_place()
+
+
+@pytest.mark.parametrize("length,bias", [(1, False), (6, True)])
+def test_conv_step_continues_the_window(steps, length, bias):
+    """After a stored window, `length` new tokens: the depthwise causal convolution (+ SiLU) over the window and the
+    tokens, and the window's last kernel-size columns kept, as transformers' conv1d path gives."""
+    from hf_paged.model.state_layers import StateView
+
+    gen = torch.Generator().manual_seed(length)
+    conv1d = torch.nn.Conv1d(12, 12, kernel_size=4, groups=12, padding=3, bias=bias)
+    with torch.no_grad():
+        conv1d.weight.copy_(torch.randn(12, 1, 4, generator=gen))
+    window = torch.randn(2, 12, 4, generator=gen)
+    x = torch.randn(2, 12, length, generator=gen)
+    slots = StateSlots("cpu", 2)
+    slots.write((0, "conv", 0), torch.arange(2), window)
+    view = StateView(slots, 0, StateRun(torch.tensor([0, 1]), torch.arange(2), False), "test")
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_forward
+
+    calls = []  # transformers' own (the torch fallback's several tokens go there, on the same view)
+    step = gated_delta.conv_step(lambda *a, **k: calls.append(1) or causal_conv1d_forward(*a, **k))
+    with torch.no_grad():
+        out = step(conv1d, x, view, 0, activation="silu")
+        full = torch.cat((window, x), dim=-1)
+        want = F.silu(F.conv1d(full, conv1d.weight, conv1d.bias, groups=12)[..., -length:])
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    view.write_back()
+    torch.testing.assert_close(slots.tensors[(0, "conv", 0)], full[..., -4:])
+    assert bool(calls) == (steps == "torch" and length > 1)

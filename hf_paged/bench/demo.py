@@ -142,3 +142,15 @@ def report(llm, prompts, paged_tokens, hf_tokens, paged_s, hf_s, steps, peak, to
     print(f"  hf_paged: {show(tokenizer.decode(paged_tokens[0]))}")
     verdict = "the same tokens" if hf_tokens[0] == paged_tokens[0] else show(tokenizer.decode(hf_tokens[0]))
     print(f"  HF:       {verdict}")
+    print(NEXT_STEPS)
+
+
+NEXT_STEPS = """
+Next, in your own code (docs/README.md indexes the rest):
+  import hf_paged                                           # then, on any transformers causal LM:
+  model.generate(ids, attention_mask=mask, cache_implementation="paged", max_new_tokens=64)
+  llm = hf_paged.LLM(model, tokenizer=tokenizer)            # many requests, vLLM's API
+  llm.generate(prompts, hf_paged.SamplingParams(max_tokens=64, temperature=0.7))
+  llm.chat([[{"role": "user", "content": "Hello!"}]])
+  hf-paged serve MODEL                                      # an OpenAI-compatible server
+  hf-paged bench throughput --small                         # measure on this machine"""

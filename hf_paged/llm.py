@@ -272,7 +272,7 @@ class LLM:
                 if not parallel or world.owns(i):
                     groups.append(engine.add_request(token_ids, params, index=i, request_id=ids[i],
                                                      prompt_text=prompt_text(batch.prompts[i]),
-                                                     priority=batch.priorities[i]))
+                                                     priority=batch.priorities[i], checked=True))
         except BaseException:
             for group in groups:
                 engine.abort(group.request_id)

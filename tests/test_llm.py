@@ -41,3 +41,25 @@ def test_add_request_keeps_its_own_copy_of_the_params(llama):
             if out.finished:
                 finished[out.request_id] = out.token_ids
     assert [finished[i] for i in ids] == [o.token_ids for o in expected]
+
+
+def test_a_call_tokenizes_and_checks_each_prompt_once(llama, monkeypatch):
+    """`LLM` validates a whole call before queueing any of it; the engine does not do it again for those prompts
+    (a direct `Engine.add_request` still checks)."""
+    from hf_paged.engine import engine as engine_module
+
+    calls = []
+    check = engine_module.check_request
+    monkeypatch.setattr(engine_module, "check_request", lambda *a, **k: calls.append(a[1]) or check(*a, **k))
+    import hf_paged.llm as llm_module
+
+    llm_check = llm_module.check_request
+    monkeypatch.setattr(llm_module, "check_request", lambda *a, **k: calls.append(a[1]) or llm_check(*a, **k))
+    llm = LLM(llama, num_blocks=32, block_size=4)
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert sorted(calls) == [0, 1]
+    calls.clear()
+    llm.engine.add_request([5, 6], SamplingParams(max_tokens=2))
+    assert calls == [0]
+    with pytest.raises(ValueError, match="request 0"):
+        llm.engine.add_request([5, -1], SamplingParams(max_tokens=2))

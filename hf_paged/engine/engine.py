@@ -140,7 +140,7 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, index: int = 0,
                     controller: Any = None, prompt_text: str | None = None,
                     fork_of: Request | None = None, first_query: tuple[int, int] | None = None,
-                    token_types: tuple[list[int], int] | None = None) -> RequestGroup:
+                    token_types: tuple[list[int], int] | None = None, checked: bool = False) -> RequestGroup:
         """Validate and queue one prompt as a group of `params.n` samples. Returns the group.
 
         Samples after the first (and, with `fork_of`, a queued request with the same prompt, the first too) are not
@@ -150,11 +150,16 @@ class Engine:
         `first_query` (token id, position): the first output is sampled from this query-only token instead of the
         last prompt token, and outputs continue at its position + 1 (how HF generates after right padding).
         `token_types` (one per prompt token, the one of every output): passed to the model as `token_type_ids`; every
-        request of an engine has them or none does."""
+        request of an engine has them or none does. `checked`: `prompt` is the token id list that `tokenize` gave
+        and `check_request` passed with these `params` on this engine (`LLM` validates a whole call first): not done
+        again."""
         # the engine's own copy: a caller changing its object later changes no queued request
         params = SamplingParams() if params is None else params.copy()
-        token_ids = self.tokenize(prompt, index)
-        self.check_request(index, token_ids, params)
+        if checked:
+            token_ids = list(prompt)
+        else:
+            token_ids = self.tokenize(prompt, index)
+            self.check_request(index, token_ids, params)
         if first_query is not None:
             self.check_request(index, [first_query[0]], params)
         if token_types is not None and len(token_types[0]) != len(token_ids):

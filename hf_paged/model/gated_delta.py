@@ -190,9 +190,11 @@ def conv_step(original):
             return out[..., None]
         window = torch.cat((previous[..., 1:], hidden_states.to(previous.dtype)), dim=-1)  # [B, C, K]
         cache.values[("conv", state_idx)] = window
-        out = (window.to(weight.dtype) * weight).sum(-1, keepdim=True)
+        # summed in fp32 (a convolution accumulates in fp32 whatever its inputs' dtype), then in the weight's dtype
+        out = (window.to(weight.dtype).float() * weight.float()).sum(-1, keepdim=True)
         if conv1d.bias is not None:
-            out = out + conv1d.bias[:, None]
+            out = out + conv1d.bias.float()[:, None]
+        out = out.to(weight.dtype)
         if activation is not None:
             from transformers.activations import ACT2FN
 

@@ -14,9 +14,7 @@ from hf_paged.engine.runner import ModelRunner
 from hf_paged.kv.state import StateSlots
 import hf_paged.model.spec as model_spec
 import hf_paged.model.state_layers as state_layers
-from hf_paged.model.state_continuation import continuation_modes
-from hf_paged.model.state_layers import AS_IS, KEEP_STATES, TOKEN_BY_TOKEN, StateView
-from hf_paged.model.own_state import own_state_modules
+from hf_paged.model.state_layers import TOKEN_BY_TOKEN, StateView
 from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import HYBRIDS, tiny_hybrid
 
@@ -29,7 +27,7 @@ PRESSED = ("qwen3_5_text", "mamba2", "falcon_h1", "lfm2", "mamba", "falcon_mamba
 # Mamba-1: their own scan drops the previous state for a multi-token input (state_continuation)
 MAMBA_1 = ("mamba", "falcon_mamba", "jamba")
 # their own multi-token path starts the convolution from zeros: continuations token by token (model/own_state.py)
-CONV_RESTART = ("recurrent_gemma",)
+CONV_RESTART = ("recurrent_gemma",)  # continues token by token (test_state_continuation.py)
 # HF's own padded batch is no reference: its forward feeds the padding through its state and its batched single-token
 # step mixes sequences (tests/test_own_state.py compares each prompt with HF's generate on it alone)
 NO_BATCH_REFERENCE = ("rwkv",)
@@ -361,17 +359,6 @@ def test_a_prompt_ending_in_a_one_token_chunk_writes_its_checkpoint(models):
     assert [list(got[0].outputs[0].token_ids)] == want[0]
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
-def test_each_state_module_continues_in_the_cheapest_exact_mode(models, model_type):
-    """Mamba-1 mixers continue a state only when asked to keep every token's state (their recurrent form),
-    recurrent_gemma's recurrent blocks only token by token; every other family's module continues it as it is, at no
-    cost."""
-    model = models(model_type)
-    modes = set(continuation_modes(model, {**find_state_modules(model), **own_state_modules(model)}).values())
-    assert modes == ({KEEP_STATES} if model_type in MAMBA_1 else {TOKEN_BY_TOKEN} if model_type in CONV_RESTART
-                     else {AS_IS})
-
-
 @pytest.mark.parametrize("span", (state_layers.KEEP_SPAN, 3))
 @pytest.mark.parametrize("model_type", ("mamba", "falcon_mamba"))
 def test_mamba_1_chunked_prefill_gives_hfs_tokens(models, model_type, span, monkeypatch):
@@ -399,16 +386,3 @@ def test_token_by_token_continuations_are_exact(models, model_type, monkeypatch)
     got, stats = run(model, batch, GREEDY, **options)
     assert got == want
     assert stats["num_recomputed_tokens"] > 0 and stats["prefix_cache_hit_tokens"] > 0
-
-
-@pytest.mark.parametrize("model_type", ("mamba", "falcon_mamba"))
-def test_a_state_layer_that_drops_its_state_between_pieces_is_refused(model_type, monkeypatch):
-    """Left to run its continuations as it is, a Mamba-1 model's paged forward equals its own forward fed the same
-    pieces on transformers' cache, both wrong: the start-up check compares with its forward on the whole prefix and
-    refuses it, saying why."""
-    monkeypatch.setattr(model_spec, "continuation_modes", lambda model, state: dict.fromkeys(state, AS_IS))
-    model = tiny_hybrid(model_type)
-    strong_state(model)
-    with pytest.raises(ValueError, match=rf"'{model_type}'.*drops its previous state for a multi-token input"):
-        hf_paged.LLM(model)
-

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import format_table  # noqa: E402
+sys.path.insert(0, str(ROOT))  # this checkout's hf_paged, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_parity.py and gpu_engine_parts.py beside this file
+from hf_paged.bench.common import format_table  # noqa: E402
 from gpu_parity import parity  # noqa: E402
 from gpu_engine_parts import (hf_padded_generate, llama_and_prompts, profile, step_times,  # noqa: E402
                               timed_generate)

@@ -21,6 +21,8 @@ class InputTypeError(TypeError, ValueError):
 
 def is_integer(value) -> bool:
     """True for int and numpy / torch integer scalars; False for bool (True is not a token id nor a count)."""
+    if type(value) is int:
+        return True
     if isinstance(value, bool):
         return False
     if isinstance(value, numbers.Integral):  # int and numpy integers (numpy's bool is not Integral)

@@ -14,7 +14,7 @@ from .distributed import World, gather_in_order, plan_processes, split_world
 from .engine import Engine
 from .engine.intake import (as_params, as_params_list, as_priorities, as_priority, as_prompt_list, check_request,
                             prompt_text)
-from .request import RequestGroup, RequestOutput
+from .request import ParentRequest, RequestOutput
 from .sampling import SamplingParams
 
 
@@ -72,8 +72,8 @@ class LLM:
 
     def _collect(self, owned, build) -> list[RequestOutput]:
         """Outputs of the requests `owned(request_id)` accepts that changed since they were last collected: `build`
-        (group, sample indices) gives each one's outputs. Nothing is taken until all are built (an error while
-        decoding leaves every mark for the next call); finished groups are then forgotten."""
+        (parent, sample indices) gives each one's outputs. Nothing is taken until all are built (an error while
+        decoding leaves every mark for the next call); finished parents are then forgotten."""
         engine = self.engine
         with engine.lock:
             taken = [(rid, samples) for rid, samples in engine.dirty.items() if owned(rid)]
@@ -81,15 +81,15 @@ class LLM:
                 return []
             outs, done = [], []
             for request_id, samples in taken:
-                group = engine.groups.get(request_id)
-                if group is not None:
-                    outs.extend(build(engine, group, samples))
-                    if group.is_finished:
-                        done.append(group)
+                parent = engine.parents.get(request_id)
+                if parent is not None:
+                    outs.extend(build(engine, parent, samples))
+                    if parent.is_finished:
+                        done.append(parent)
             ids = {request_id for request_id, _ in taken}
             engine.dirty = {rid: samples for rid, samples in engine.dirty.items() if rid not in ids}
-            for group in done:
-                engine.release(group)
+            for parent in done:
+                engine.release(parent)
             return outs
 
     def abort(self, request_id: str) -> bool:
@@ -124,7 +124,7 @@ class LLM:
         `outputs[i].token_ids` and `text` (the text so far), `finished` on a prompt's last snapshot. Validation as in
         `generate` (a bad prompt raises before anything is queued, at the first `next`). Closing the iterator, or
         an exception, aborts this call's unfinished requests and frees their blocks at once. Not data parallel."""
-        groups, unfinished = self._queue_claimed(prompts, sampling_params, priority)
+        parents, unfinished = self._queue_claimed(prompts, sampling_params, priority)
         try:
             while unfinished:
                 outs = self._collect(unfinished.__contains__, _snapshot)
@@ -132,23 +132,23 @@ class LLM:
                     if out.finished:
                         unfinished.discard(out.request_id)
                     yield out
-                unfinished.intersection_update(self.engine.groups)  # aborted meanwhile (`abort`): nothing to wait for
+                unfinished.intersection_update(self.engine.parents)  # aborted meanwhile (`abort`): nothing to wait for
                 if unfinished and not outs:
                     self._advance(unfinished)
         finally:
             for request_id in unfinished:
                 self.engine.abort(request_id)
-            self._claimed.difference_update(group.request_id for group in groups)
+            self._claimed.difference_update(parent.request_id for parent in parents)
 
-    def _queue_claimed(self, prompts, sampling_params, priority) -> tuple[list[RequestGroup], set[str]]:
+    def _queue_claimed(self, prompts, sampling_params, priority) -> tuple[list[ParentRequest], set[str]]:
         """Queue a call's prompts and claim them at once (no `step` caller in another thread sees them unclaimed)."""
         with self.engine.lock:
-            groups = self._add(self._validated(prompts, sampling_params, priority)[0])
-            return groups, self._claim(groups)
+            parents = self._add(self._validated(prompts, sampling_params, priority)[0])
+            return parents, self._claim(parents)
 
-    def _claim(self, groups: list[RequestGroup]) -> set[str]:
+    def _claim(self, parents: list[ParentRequest]) -> set[str]:
         """Mark a call's requests as its own (no `step` caller gets them). Returns their ids."""
-        ids = {group.request_id for group in groups}
+        ids = {parent.request_id for parent in parents}
         self._claimed.update(ids)
         return set(ids)
 
@@ -160,7 +160,7 @@ class LLM:
             if self.engine.has_unfinished:
                 self.engine.step()
             elif not any(rid in self.engine.dirty for rid in waiting) and \
-                    any(not self.engine.groups[rid].is_finished for rid in waiting if rid in self.engine.groups):
+                    any(not self.engine.parents[rid].is_finished for rid in waiting if rid in self.engine.parents):
                 raise RuntimeError(f"hf_paged: requests {sorted(waiting)[:5]} are unfinished but the engine has no "
                                    f"work for them")
 
@@ -172,7 +172,7 @@ class LLM:
         only its own prompts' snapshots. Closing or cancelling the iterator aborts its unfinished requests and frees
         their blocks at once (after the step in flight, if any). Other callers (`generate`, `stream`, `step`, other
         threads) may use the LLM meanwhile: each gets only its own requests' results."""
-        groups, unfinished = self._queue_claimed(prompts, sampling_params, priority)
+        parents, unfinished = self._queue_claimed(prompts, sampling_params, priority)
         driver = self._async_driver()
         queue: asyncio.Queue = asyncio.Queue()
         for request_id in unfinished:
@@ -190,11 +190,11 @@ class LLM:
                     unfinished.discard(out.request_id)
                 yield out
         finally:
-            for group in groups:
-                driver.queues.pop(group.request_id, None)
+            for parent in parents:
+                driver.queues.pop(parent.request_id, None)
             for request_id in unfinished:
                 self.engine.abort(request_id)
-            self._claimed.difference_update(group.request_id for group in groups)
+            self._claimed.difference_update(parent.request_id for parent in parents)
 
     def _async_driver(self) -> "_AsyncDriver":
         loop = asyncio.get_running_loop()
@@ -220,17 +220,17 @@ class LLM:
         process's own (see the class)."""
         batch, world = split_world(self.world, lambda: self._validated(prompts, sampling_params, priority))
         with self.engine.lock:  # queued and claimed at once: no `step` caller in another thread sees them unclaimed
-            groups = self._add(batch, world)
-            self._claim(groups)
+            parents = self._add(batch, world)
+            self._claim(parents)
         try:
-            finished = self._run(groups, use_tqdm and self.world.rank == 0)
+            finished = self._run(parents, use_tqdm and self.world.rank == 0)
         except BaseException:
-            for group in groups:  # an exception (or Ctrl-C) leaves none of this call's requests behind
-                self.engine.abort(group.request_id)
+            for parent in parents:  # an exception (or Ctrl-C) leaves none of this call's requests behind
+                self.engine.abort(parent.request_id)
             raise
         finally:
-            self._claimed.difference_update(group.request_id for group in groups)
-        mine = [(group.index, finished[group.request_id]) for group in groups]
+            self._claimed.difference_update(parent.request_id for parent in parents)
+        mine = [(parent.index, finished[parent.request_id]) for parent in parents]
         return gather_in_order(world, mine, len(batch.prompts)) if world.is_parallel else [out for _, out in mine]
 
     def chat(self, messages: Sequence, sampling_params: SamplingParams | dict | Sequence | None = None, *,
@@ -259,35 +259,35 @@ class LLM:
         batch = _Batch(prompts, params_list, priorities, tokenized)
         return batch, (len(prompts), tokenized, [prompt_text(p) for p in prompts], params_list, priorities)
 
-    def _add(self, batch: "_Batch", world: World | None = None) -> list[RequestGroup]:
+    def _add(self, batch: "_Batch", world: World | None = None) -> list[ParentRequest]:
         """Queue a validated call (in a multi-process `world`, only this process's share, with the ids a single
-        process would give them). On any error nothing of this call stays queued. Returns the queued groups."""
+        process would give them). On any error nothing of this call stays queued. Returns the queued parents."""
         engine = self.engine
         parallel = world is not None and world.is_parallel
         count = len(batch.prompts)
         ids = engine.new_request_ids(count) if parallel else [None] * count
-        groups: list[RequestGroup] = []
+        parents: list[ParentRequest] = []
         try:
             for i, (token_ids, params) in enumerate(zip(batch.token_ids, batch.params)):
                 if not parallel or world.owns(i):
-                    groups.append(engine.add_request(token_ids, params, index=i, request_id=ids[i],
+                    parents.append(engine.add_request(token_ids, params, index=i, request_id=ids[i],
                                                      prompt_text=prompt_text(batch.prompts[i]),
                                                      priority=batch.priorities[i], checked=True))
         except BaseException:
-            for group in groups:
-                engine.abort(group.request_id)
+            for parent in parents:
+                engine.abort(parent.request_id)
             raise
-        return groups
+        return parents
 
-    def _run(self, groups: list[RequestGroup], use_tqdm: bool) -> dict[str, RequestOutput]:
-        """Step until every one of `groups` has finished (other callers' requests progress too, and go to them).
-        Returns each group's final output by request id."""
+    def _run(self, parents: list[ParentRequest], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step until every one of `parents` has finished (other callers' requests progress too, and go to them).
+        Returns each parent's final output by request id."""
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(groups), desc="Processed prompts", unit="req", dynamic_ncols=True)
-        pending = {group.request_id for group in groups}
+            bar = tqdm(total=len(parents), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        pending = {parent.request_id for parent in parents}
         finished: dict[str, RequestOutput] = {}
         start = time.perf_counter()
         prompt_tokens = output_tokens = 0
@@ -306,7 +306,7 @@ class LLM:
                     bar.set_postfix_str(f"est. input {prompt_tokens / elapsed:.0f} tok/s, "
                                         f"output {output_tokens / elapsed:.0f} tok/s", refresh=False)
                     bar.update(1)
-            missing = pending.difference(self.engine.groups)
+            missing = pending.difference(self.engine.parents)
             if missing:  # aborted by another caller: nothing will come
                 raise RuntimeError(f"requests {sorted(missing)[:5]} of this generate call were aborted meanwhile")
             if pending and not outs:
@@ -316,19 +316,19 @@ class LLM:
         return finished
 
 
-def _per_sample(engine: Engine, group: RequestGroup, samples: frozenset[int]) -> list[RequestOutput]:
+def _per_sample(engine: Engine, parent: ParentRequest, samples: frozenset[int]) -> list[RequestOutput]:
     """`step`'s outputs: one per changed sample."""
-    return [engine.output(group, [group.samples[i]]) for i in sorted(samples)]
+    return [engine.output(parent, [parent.samples[i]]) for i in sorted(samples)]
 
 
-def _snapshot(engine: Engine, group: RequestGroup, samples: frozenset[int]) -> list[RequestOutput]:
+def _snapshot(engine: Engine, parent: ParentRequest, samples: frozenset[int]) -> list[RequestOutput]:
     """`stream`'s outputs: one snapshot of the whole prompt (text so far)."""
-    return [engine.output(group, partial=True)]
+    return [engine.output(parent, partial=True)]
 
 
-def _final(engine: Engine, group: RequestGroup, samples: frozenset[int]) -> list[RequestOutput]:
+def _final(engine: Engine, parent: ParentRequest, samples: frozenset[int]) -> list[RequestOutput]:
     """`generate`'s outputs: the prompt's output once all its samples have finished."""
-    return [engine.output(group)] if group.is_finished else []
+    return [engine.output(parent)] if parent.is_finished else []
 
 
 @dataclass(slots=True, eq=False)
@@ -368,7 +368,7 @@ class _AsyncDriver:
     def _tell_gone(self, llm: LLM) -> None:
         """Consumers of requests that left the engine without a final snapshot (aborted through `LLM.abort`; finished
         ones had theirs routed first) are told so instead of waiting forever."""
-        for request_id in [r for r in self.queues if r not in llm.engine.groups]:
+        for request_id in [r for r in self.queues if r not in llm.engine.parents]:
             self.queues.pop(request_id).put_nowait(_Gone(request_id))
 
 

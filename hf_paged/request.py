@@ -21,11 +21,11 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(slots=True, eq=False)
-class RequestGroup:
+class ParentRequest:
     """One prompt as the caller sees it: its id, its place in the caller's input and its `n` samples.
 
-    Invariant: `samples[i].sample_index == i` and every sample points back here through `group`. Aborting the
-    group ends exactly these samples; ids are the caller's strings, never parsed.
+    Invariant: `samples[i].sample_index == i` and every sample points back here through `parent`. Aborting the
+    parent ends exactly these samples; ids are the caller's strings, never parsed.
     """
 
     request_id: str
@@ -42,7 +42,7 @@ class RequestGroup:
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One sequence being generated (one sample of a `RequestGroup`).
+    """One sequence being generated (one sample of a `ParentRequest`).
 
     Invariants: `all_token_ids == prompt_token_ids + output_token_ids`;
     `num_computed_tokens <= len(all_token_ids)` counts tokens whose K/V are in the cache;
@@ -53,13 +53,13 @@ class Request:
     `num_computed_tokens` and the outputs (through `append_token` / `finish`).
     """
 
-    group: RequestGroup
+    parent: ParentRequest
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     arrival: int = 0
     priority: int = 0
-    sample_index: int = 0  # which of the n samples of its group this is
+    sample_index: int = 0  # which of the n samples of its parent this is
     controller: Any = None  # optional per-request sampling hook (see integrations.generate)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -102,7 +102,7 @@ class Request:
             self.kv_salt = "\x00".join(["-" if salt is None else "+" + salt, *extra])
 
     def __repr__(self) -> str:
-        return (f"Request({self.group.request_id!r}, sample={self.sample_index}, status={self.status.value}, "
+        return (f"Request({self.parent.request_id!r}, sample={self.sample_index}, status={self.status.value}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")
 
     @property
@@ -116,11 +116,11 @@ class Request:
 
     @property
     def index(self) -> int:
-        return self.group.index
+        return self.parent.index
 
     @property
     def arrival_time(self) -> float:
-        return self.group.arrival_time
+        return self.parent.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:

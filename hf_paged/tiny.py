@@ -221,3 +221,45 @@ def generate_batch_configs(max_new_tokens: int, num_blocks: int | None = None):
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     return config, ContinuousBatchingConfig(num_blocks=num_blocks) if num_blocks is not None else None
+
+
+# ---- what the benchmarks and the model census take from transformers (imported here, at the package's edge) ----
+def causal_lm_types() -> list[str]:
+    """Every model type transformers registers as a causal LM, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def config_of(model_type: str, **fields):
+    """A config of `model_type`'s own config class with `fields` (the rest its defaults)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type](**fields)
+
+
+def model_from_config(config, dtype=None):
+    """A random-weight causal LM built from `config` (the caller seeds torch), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, **({"dtype": dtype} if dtype is not None else {})).eval()
+
+
+def dynamic_cache(**options):
+    """transformers' own DynamicCache (`options`: its constructor's, e.g. config=)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(**options)
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def text_generation_pipeline(model, tokenizer, **options):
+    """transformers' own `pipeline("text-generation", ...)` on `model` / `tokenizer`."""
+    from transformers import pipeline
+
+    return pipeline("text-generation", model=model, tokenizer=tokenizer, **options)

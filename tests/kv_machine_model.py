@@ -22,7 +22,7 @@ MAX_SEQS = 6  # sequences the machine keeps at once (running, waiting or swapped
 
 @dataclass(eq=False)
 class Seq:
-    """A sequence with the fields of `hf_paged.kv.manager.Sequence` plus the machine's own bookkeeping."""
+    """A sequence with the fields of `hf_paged.kv.manager.BlockHolder` plus the machine's own bookkeeping."""
 
     name: int
     all_token_ids: list[int]

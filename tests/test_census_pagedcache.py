@@ -1,12 +1,7 @@
-"""The census's PagedCache column (benchmarks/models.py): HF's generate on a passed hf_paged.PagedCache, a few types."""
-import importlib.util
-from pathlib import Path
-
+"""The census's PagedCache column (hf_paged/bench/models_census.py): HF's generate on a passed hf_paged.PagedCache, a few types."""
 import pytest
 
-spec = importlib.util.spec_from_file_location("census", Path(__file__).resolve().parent.parent / "benchmarks" / "models.py")
-census = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(census)
+from hf_paged.bench import models_census as census
 
 
 @pytest.mark.parametrize("model_type, outcome, reason", [

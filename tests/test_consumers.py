@@ -71,7 +71,7 @@ def run_threads(*jobs, timeout=120):
 
 def assert_clean(llm):
     llm.engine.check_idle()
-    assert not llm.engine.groups and not llm.engine.dirty
+    assert not llm.engine.parents and not llm.engine.dirty
 
 
 def test_two_threads_streaming_each_get_their_own(model, expected):
@@ -210,7 +210,7 @@ def test_an_abort_from_inside_a_step_waits_for_its_end(model, expected):
         llm.step()
     finally:
         handle.remove()
-    assert fired == [True] and victim not in llm.engine.groups
+    assert fired == [True] and victim not in llm.engine.parents
     done = {}
     while llm.has_unfinished_requests():
         done.update({o.request_id: o.token_ids for o in llm.step() if o.finished})

@@ -63,7 +63,7 @@ def run(engine, batch, max_tokens=MAX_TOKENS, **params):
     while engine.has_unfinished:
         for request in engine.step():
             if request.is_finished:
-                done[request.group.request_id] = list(request.output_token_ids)
+                done[request.parent.request_id] = list(request.output_token_ids)
     engine.check_idle()
     return [done[str(i)] for i in range(len(batch))]
 

@@ -179,10 +179,12 @@ def test_cache_config_unknown_key_is_an_error(llama):
 
 
 def test_default_pool_is_modest(llama):
-    llm = LLM(llama)
     from hf_paged.config import available_host_memory
 
-    assert llm.stats()["kv_cache_bytes"] <= min(2 << 30, 0.2 * available_host_memory()) + 1
+    before = available_host_memory()  # other processes may take or give back memory while the engine is built
+    llm = LLM(llama)
+    available = max(before, available_host_memory())
+    assert llm.stats()["kv_cache_bytes"] <= min(2 << 30, 0.2 * available) + 1
     assert hf_paged.is_enabled()
 
 

@@ -55,7 +55,7 @@ def expected(model):
 
 def assert_idle_and_serving(llm, expected):
     llm.engine.check_idle()
-    assert not llm.engine.groups
+    assert not llm.engine.parents
     assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == expected
     llm.engine.check_idle()
 
@@ -124,7 +124,7 @@ def test_model_raising_in_a_step_loop_then_abort_frees_everything(model, expecte
     with last_layer_raising(model, 4, Boom()), pytest.raises(Boom):
         while llm.has_unfinished_requests():
             llm.step()
-    assert all(llm.abort(i) for i in ids if i in llm.engine.groups)
+    assert all(llm.abort(i) for i in ids if i in llm.engine.parents)
     assert_idle_and_serving(llm, expected)
 
 
@@ -326,6 +326,6 @@ def test_tokenizer_raising_ends_only_that_request(model, expected, where):
         assert tokens(outs[:-1]) == expected
         assert [o.text for o in outs[:-1]] == [o.text for o in clean[:-1]]
         llm.engine.check_idle()
-        assert not llm.engine.groups
+        assert not llm.engine.parents
     tokenizer.bad = set()
     assert [o.text for o in llm.generate(prompts, params, use_tqdm=False)] == [o.text for o in clean]

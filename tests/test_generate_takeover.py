@@ -148,3 +148,24 @@ def test_disable_reaches_transformers_own_paged_path(engine_runs, monkeypatch):
     ref = model.generate(ids, max_new_tokens=3, do_sample=False)
     out = paged(model, engine_runs, ids, max_new_tokens=3, do_sample=False)
     assert torch.equal(out, ref) and len(calls) == 1
+
+
+def test_a_call_describes_the_model_once(engine_runs, monkeypatch):
+    """The take-over describes the model before it decides where the call runs, and the engine it builds takes that
+    description instead of making its own (describing costs a forward lock, module scans and signature reads)."""
+    from hf_paged.engine import engine as engine_module
+    from hf_paged.integrations import generate as generate_module
+
+    calls = []
+    original = generate_module.describe_model
+
+    def counting(model):
+        calls.append(model)
+        return original(model)
+
+    monkeypatch.setattr(generate_module, "describe_model", counting)
+    monkeypatch.setattr(engine_module, "describe_model", counting)
+    model = model_for()
+    ids, mask = batch((4, 9))
+    paged(model, engine_runs, ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert len(calls) == 1

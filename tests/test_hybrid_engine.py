@@ -182,7 +182,7 @@ def test_abort_mid_way_leaves_the_others_exact(models):
         llm.engine.step()
     for i, request_id in enumerate(ids):
         if i != 1:
-            assert list(llm.engine.groups[request_id].samples[0].output_token_ids) == want[i][0]
+            assert list(llm.engine.parents[request_id].samples[0].output_token_ids) == want[i][0]
     assert llm.engine.scheduler.kv.states.num_used == 0
 
 
@@ -212,7 +212,7 @@ def test_failed_step_changes_nothing(models, monkeypatch):
         except RuntimeError:
             failures += 1
     assert failures == 2
-    assert [list(llm.engine.groups[str(i)].samples[0].output_token_ids) for i in range(len(batch))] == \
+    assert [list(llm.engine.parents[str(i)].samples[0].output_token_ids) for i in range(len(batch))] == \
         [w[0] for w in want]
 
 
@@ -285,7 +285,7 @@ def test_failed_step_drops_the_checkpoints_it_wrote(models, monkeypatch):
         except RuntimeError:
             assert not llm.engine.scheduler.kv.checkpoints.keys  # nothing else was kept before the failures
     assert failed == [1, 1]
-    assert [list(llm.engine.groups[str(i)].samples[0].output_token_ids) for i in range(len(batch))] == \
+    assert [list(llm.engine.parents[str(i)].samples[0].output_token_ids) for i in range(len(batch))] == \
         [p[0] for p in plain]
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
 

@@ -1,12 +1,12 @@
 """kv/manager.py: the engine's KV manager grows and frees block tables, clears blocks before use, keeps and drops
 prefix-map entries."""
 from hf_paged.kv import KVCacheManager
-from hf_paged.request import Request, RequestGroup
+from hf_paged.request import Request, ParentRequest
 from hf_paged.sampling import SamplingParams
 
 
 def make_request(tokens, **params):
-    group = RequestGroup("r", 0, None, list(tokens))
+    group = ParentRequest("r", 0, None, list(tokens))
     return Request(group, list(tokens), SamplingParams(**params))
 
 

@@ -1,12 +1,7 @@
-"""A fast subset of the model census (benchmarks/models.py): the same code path, a few telling model types."""
-import importlib.util
-from pathlib import Path
-
+"""A fast subset of the model census (hf_paged/bench/models_census.py): the same code path, a few telling model types."""
 import pytest
 
-spec = importlib.util.spec_from_file_location("census", Path(__file__).resolve().parent.parent / "benchmarks" / "models.py")
-census = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(census)
+from hf_paged.bench import models_census as census
 
 
 @pytest.mark.parametrize("model_type, outcome, reason", [

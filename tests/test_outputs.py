@@ -1,7 +1,7 @@
 """engine/outputs.py: what callers get back: text only for finished samples (or partial snapshots), cut before the
 stop string that ended it, a decoding failure as an error of that output only, samples in order, timings."""
-from hf_paged.engine.outputs import completion, group_output
-from hf_paged.request import Request, RequestGroup
+from hf_paged.engine.outputs import completion, parent_output
+from hf_paged.request import Request, ParentRequest
 from hf_paged.sampling import SamplingParams
 
 
@@ -10,7 +10,7 @@ def detokenize(ids):
 
 
 def make_group(n=2, **params):
-    group = RequestGroup("g", 0, "p", [1, 2])
+    group = ParentRequest("g", 0, "p", [1, 2])
     for i in range(n):
         group.samples.append(Request(group, [1, 2], SamplingParams(**params), sample_index=i))
     return group
@@ -41,16 +41,16 @@ def test_a_failing_tokenizer_makes_that_output_an_error_with_its_tokens():
     assert out.error == "decoding the output failed: ValueError: no such token"
 
 
-def test_group_output_orders_samples_and_reports_finished_and_metrics():
+def test_parent_output_orders_samples_and_reports_finished_and_metrics():
     group = make_group(3)
     first, second, third = group.samples
     for request in (third, first):
         request.append_token(0)
         request.finish("length")
-    out = group_output(group, [third, first], detokenize)
+    out = parent_output(group, [third, first], detokenize)
     assert [c.index for c in out.outputs] == [0, 2] and out.finished and out.num_cached_tokens == 0
     assert out.metrics["latency_s"] is None and out.metrics["time_to_first_token_s"] >= 0  # one sample still runs
     second.append_token(1)
     second.finish("stop")
-    whole = group_output(group, None, detokenize)
+    whole = parent_output(group, None, detokenize)
     assert [c.text for c in whole.outputs] == ["a", "b", "a"] and whole.metrics["latency_s"] >= 0

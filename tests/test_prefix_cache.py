@@ -191,7 +191,7 @@ def test_priority_decides_who_is_preempted(llama):
     preempted, finished = [], {}
 
     def preemptions():
-        return {rid: sum(r.num_preemptions for r in group.samples) for rid, group in llm.engine.groups.items()}
+        return {rid: sum(r.num_preemptions for r in group.samples) for rid, group in llm.engine.parents.items()}
 
     while llm.has_unfinished_requests():
         before = preemptions()

@@ -2,7 +2,7 @@
 right padding, and finding a stop string the newest token completes."""
 import pytest
 
-from hf_paged.request import (Request, RequestGroup, RequestStatus, apply_stop_rules, find_stop_string,
+from hf_paged.request import (Request, ParentRequest, RequestStatus, apply_stop_rules, find_stop_string,
                               stop_string_start)
 from hf_paged.sampling import SamplingParams
 
@@ -10,7 +10,7 @@ EOS = 2
 
 
 def make_request(prompt=(5, 6, 7), **params):
-    group = RequestGroup("r", 0, None, list(prompt))
+    group = ParentRequest("r", 0, None, list(prompt))
     request = Request(group, list(prompt), SamplingParams(**params), eos_token_ids=(EOS,))
     group.samples.append(request)
     return request

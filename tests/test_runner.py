@@ -7,7 +7,7 @@ import torch
 from hf_paged import LLM
 from hf_paged.engine.plan import StepPlan
 from hf_paged.kv import NULL_BLOCK
-from hf_paged.request import Request, RequestGroup
+from hf_paged.request import Request, ParentRequest
 from hf_paged.sampling import Sampler, SamplingParams
 
 from conftest import cached_model
@@ -22,7 +22,7 @@ def runner():
 
 
 def make(prompt, table, computed=0, outputs=()):
-    group = RequestGroup("r", 0, None, list(prompt))
+    group = ParentRequest("r", 0, None, list(prompt))
     request = Request(group, list(prompt), GREEDY, output_token_ids=list(outputs))
     request.block_table, request.num_computed_tokens = list(table), computed
     group.samples.append(request)

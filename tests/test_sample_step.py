@@ -3,14 +3,14 @@ ends only its own requests, and nothing changes a request."""
 import torch
 
 from hf_paged.engine.sample_step import sample_step
-from hf_paged.request import Request, RequestGroup
+from hf_paged.request import Request, ParentRequest
 from hf_paged.sampling import Sampler, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 def make_request(controller=None):
-    group = RequestGroup("r", 0, None, [1, 2])
+    group = ParentRequest("r", 0, None, [1, 2])
     return Request(group, [1, 2], GREEDY, controller=controller)
 
 

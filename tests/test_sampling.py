@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 import torch
 
+from hf_paged import sampling
 from hf_paged.sampling import ARGMAX_BLOCK, Sampler, SamplingParams, _penalize, _truncate, first_argmax
 
 CPU = torch.device("cpu")
@@ -200,10 +201,13 @@ def test_greedy_rows_take_argmax_and_banned_tokens_are_never_chosen(with_sampled
     assert not with_sampled_rows or set(drawn) == set(range(V)) - set(banned_sampled)
 
 
+@pytest.mark.parametrize("blocked_from", [0, None])  # 0: the blocked form on every size; None: as shipped
 @pytest.mark.parametrize("vocab", [7, 2 * ARGMAX_BLOCK, 5 * ARGMAX_BLOCK + 3, 32000, 50257])
-def test_first_argmax_is_the_first_maximum_of_each_row(vocab):
+def test_first_argmax_is_the_first_maximum_of_each_row(vocab, blocked_from, monkeypatch):
     """The blockwise greedy pick equals a plain scan for the first maximum: ties inside a block, across blocks and
     between the full blocks and a partial last block, rows of -inf and rows whose maximum is the last entry."""
+    if blocked_from is not None:
+        monkeypatch.setattr(sampling, "ARGMAX_BLOCKED_FROM", blocked_from)
     gen = torch.Generator().manual_seed(vocab)
     rows = [torch.randn(vocab, generator=gen), torch.randint(0, 3, (vocab,), generator=gen).float(),
             torch.full((vocab,), float("-inf")), torch.zeros(vocab)]

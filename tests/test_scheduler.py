@@ -6,13 +6,13 @@ from hf_paged.config import EngineConfig
 from hf_paged.engine.plan import Sampled, StepOutcome
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.kv import KVCacheManager
-from hf_paged.request import Request, RequestGroup, RequestStatus
+from hf_paged.request import Request, ParentRequest, RequestStatus
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def make(prompt, max_tokens=4, priority=0, arrival=0, name="r"):
-    group = RequestGroup(name, arrival, None, list(prompt))
+    group = ParentRequest(name, arrival, None, list(prompt))
     request = Request(group, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival=arrival,
                       priority=priority)
     group.samples.append(request)
@@ -125,7 +125,7 @@ def test_abort_of_a_swapped_request_frees_its_swap_space(llama):
     while not any(r.status is RequestStatus.SWAPPED for r in engine.scheduler.waiting):
         llm.step()
     (swapped,) = [r for r in engine.scheduler.waiting if r.status is RequestStatus.SWAPPED]
-    assert swapped.swapped_blocks and llm.abort(swapped.group.request_id)
+    assert swapped.swapped_blocks and llm.abort(swapped.parent.request_id)
     assert swapped.finish_reason == "abort" and not swapped.swapped_blocks
     for rid in ids:
         llm.abort(rid)

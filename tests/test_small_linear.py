@@ -209,3 +209,36 @@ def test_long_sums_stay_accurate(rows):
     error = ((kernel(x, weight, None).double() - want).abs() / want).max().item()
     blas = ((torch.nn.functional.linear(x, weight).double() - want).abs() / want).max().item()
     assert error <= max(4 * blas, 2e-6), (error, blas)
+
+
+def test_a_step_whose_products_are_all_f_linear_swaps_nothing(monkeypatch):
+    """Measured mode: once every layer's choice for the step's row buckets is made and is F.linear (`plain`), the
+    forwards are not swapped in at all (the same F.linear, without a wrapper per call); a layer whose choice is not
+    made yet, or is another product, keeps the swap."""
+    monkeypatch.delenv("HF_PAGED_SMALL_LINEARS", raising=False)
+    load_small_gemm.cache_clear()
+    TABLE.clear()
+    net = Net()
+    net.get_output_embeddings = lambda: net.head
+    linears = SmallBatchLinears(net)
+    assert linears.head is net.head and not linears.plain(3, 1)  # nothing measured yet
+
+    def swapped(rows, head_rows):
+        with linears.active(rows, head_rows), torch.inference_mode():
+            seen = "forward" in vars(net.proj), "forward" in vars(net.head)
+            net.proj(torch.randn(1, rows, 48))
+            net.head(torch.randn(1, head_rows, 40))
+        return seen
+
+    assert swapped(3, 1) == (True, True)  # first calls: measured
+    fast = dict(TABLE.fast)
+    assert len(fast) == 2
+    monkeypatch.setattr(TABLE, "fast", {key: torch.nn.functional.linear for key in fast})
+    assert linears.plain(3, 1) and swapped(3, 1) == (False, False)
+    assert not linears.plain(3, 2) and swapped(3, 2) == (True, True)  # the head's bucket of 2 is not measured yet
+    many = KERNEL_MAX_ROWS + 1  # beyond the kernels: F.linear without measuring; only the head's bucket counts
+    assert linears.plain(many, 1)
+    other = SmallBatchLinears(net)
+    monkeypatch.setattr(TABLE, "fast", {**TABLE.fast, next(iter(fast)): small_linear._w_xt})
+    assert not other.plain(3, 1)
+    TABLE.clear()

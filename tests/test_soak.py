@@ -1,32 +1,17 @@
-"""The soak test (benchmarks/soak.py) in CI size: the same code path, a few rounds, zero violations (also with each
+"""The soak test (hf_paged/bench/soak.py) in CI size: the same code path, a few rounds, zero violations (also with each
 extra mode: faults, consumers, weight changes, fp8; and on a hybrid model with state layers, alone and taking turns
 with a mixed sliding-window / full-attention model); the reproducers of the bugs it found; proof that its checks catch
 a broken engine; and that each fault point it adds on state models is reached and atomic."""
 import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 from hf_paged import LLM, SamplingParams
+from hf_paged.bench import soak, soak_check, soak_draw, soak_faults, soak_round
 from hf_paged.engine.scheduler import Scheduler
 
 from conftest import cached_model
-
-SOAK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
-
-
-def load_soak():
-    spec = importlib.util.spec_from_file_location("hf_paged_benchmarks_soak", SOAK_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = load_soak()
-soak_faults = sys.modules["soak_faults"]  # beside soak.py, imported by it
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,14 +21,14 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def model():
-    return cached_model("llama", max_len=soak.MAX_LEN)
+    return cached_model("llama", max_len=soak_draw.MAX_LEN)
 
 
 def test_soak_has_no_violations(model):
     """Up to 800 random requests over recompute / swap / auto rounds (new rounds start for at most 24 s)."""
     report = soak.run_soak(requests=800, minutes=0.4, seed=11, model=model)
     assert report["violations"] == []
-    assert all(report[k] == 0 for k in soak.VIOLATION_COUNTS), report
+    assert all(report[k] == 0 for k in soak_check.VIOLATION_COUNTS), report
     # it really exercised what it is for
     assert report["rounds"] >= 3 and report["compared"] > 100, report
     assert report["preemptions"] > 0 and report["swap_outs"] > 0 and report["recomputed_tokens"] > 0, report
@@ -57,18 +42,18 @@ def test_a_rounding_tie_is_told_from_a_real_difference(model):
     so; a token the race did not nearly tie is far apart, and so is a greedy flip between tokens of unequal logits."""
     seed, number = 1204, 485
     rng = random.Random(seed)
-    systems = [[rng.randrange(3, soak.VOCAB) for _ in range(n)] for n in soak.SYSTEM_LENGTHS]
+    systems = [[rng.randrange(3, soak_draw.VOCAB) for _ in range(n)] for n in soak_draw.SYSTEM_LENGTHS]
     size = random.Random(f"{seed}/{number}/size").randint(20, 80)
-    spec = soak.draw_round(random.Random(f"{seed}/{number}"), systems, number, size)[21]
+    spec = soak_draw.draw_round(random.Random(f"{seed}/{number}"), systems, number, size)[21]
     assert spec.params.seed == 1290690778 and spec.params.temperature == 1.5  # the request the soak reported
-    gap, limit = soak.flip_gap(model, spec, 0, [40, 81], (86, 27))
+    gap, limit = soak_check.flip_gap(model, spec, 0, [40, 81], (86, 27))
     assert gap < limit
-    gap, limit = soak.flip_gap(model, spec, 0, [40, 81], (86, 118))  # the race's third place
+    gap, limit = soak_check.flip_gap(model, spec, 0, [40, 81], (86, 118))  # the race's third place
     assert gap > 100 * limit
-    gap, limit = soak.flip_gap(model, spec, 1, [40, 81], (86, 27))  # another sample's noise
+    gap, limit = soak_check.flip_gap(model, spec, 1, [40, 81], (86, 27))  # another sample's noise
     assert gap > 100 * limit
-    greedy = soak.Spec("g", spec.prompt, SamplingParams(max_tokens=4, temperature=0.0))
-    assert soak.flip_gap(model, greedy, 0, [], (86, 27))[0] > 100 * soak.NEAR_TIE["greedy"]
+    greedy = soak_draw.Spec("g", spec.prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    assert soak_check.flip_gap(model, greedy, 0, [], (86, 27))[0] > 100 * soak_check.NEAR_TIE["greedy"]
 
 
 # ---- reproducers of the bugs the soak found ------------------------------------------------------------------------
@@ -172,7 +157,7 @@ MODES = {"faults": (dict(faults=True), "faults"), "consumers": (dict(consumers=4
 def run_mode(model, monkeypatch, mode, requests=220, seed=12):
     """A soak whose every round takes `mode` (where it can: faults in stream rounds only)."""
     options, rate = MODES[mode]
-    monkeypatch.setitem(soak.RATES, rate, 1.0)
+    monkeypatch.setitem(soak_round.RATES, rate, 1.0)
     return soak.run_soak(requests=requests, seed=seed, model=model, **options)
 
 
@@ -180,7 +165,7 @@ def run_mode(model, monkeypatch, mode, requests=220, seed=12):
 def test_soak_with_an_extra_mode_has_no_violations(model, monkeypatch, mode):
     report = run_mode(model, monkeypatch, mode)
     assert report["violations"] == []
-    assert all(report[k] == 0 for k in soak.VIOLATION_COUNTS), report
+    assert all(report[k] == 0 for k in soak_check.VIOLATION_COUNTS), report
     assert report["compared"] > 100, report
     if mode == "faults":
         assert report["fault_rounds"] > 0 and report["faults_hit"] > 0, report
@@ -199,7 +184,7 @@ def test_the_soak_catches_a_step_that_is_not_undone(model, monkeypatch):
     monkeypatch.setattr(undo, "rollback", lambda self: None)
     report = run_mode(model, monkeypatch, "faults")
     assert report["faults_hit"] > 0
-    assert sum(report[k] for k in soak.VIOLATION_COUNTS) > 0, report
+    assert sum(report[k] for k in soak_check.VIOLATION_COUNTS) > 0, report
 
 
 def test_the_soak_catches_stale_prefix_hits_after_weight_changes(model, monkeypatch):
@@ -232,11 +217,11 @@ def test_soak_on_a_hybrid_model_has_no_violations(hybrid, monkeypatch):
     """A few small rounds on a hybrid model through recompute / swap / auto, every stream round with injected faults
     and every round drawn for fp8 (refused on state layers: run unquantized, noted): outputs as on an unpressured
     engine, and after each round every block and every state slot is free (`check_idle`)."""
-    monkeypatch.setitem(soak.RATES, "faults", 1.0)
-    monkeypatch.setitem(soak.RATES, "fp8", 1.0)
+    monkeypatch.setitem(soak_round.RATES, "faults", 1.0)
+    monkeypatch.setitem(soak_round.RATES, "fp8", 1.0)
     report = soak.run_soak(requests=27, seed=3, model=hybrid, faults=True, fp8=True, round_sizes=(9, 9))
     assert report["violations"] == []
-    assert all(report[k] == 0 for k in soak.VIOLATION_COUNTS), report
+    assert all(report[k] == 0 for k in soak_check.VIOLATION_COUNTS), report
     assert report["rounds"] >= 3 and report["compared"] > 20, report
     assert report["recomputed_tokens"] > 0 and report["swap_outs"] > 0 and report["faults_hit"] > 0, report
     assert report["fp8_rounds"] == 0 and report["fp8_skipped"] == report["rounds"] and report["notes"], report
@@ -249,7 +234,7 @@ def test_soak_rotates_models(hybrid):
     assert set(gemma3.config.layer_types) == {"sliding_attention", "full_attention"}
     report = soak.run_soak(requests=18, seed=4, model=[gemma3, hybrid], round_sizes=(3, 3))
     assert report["violations"] == []
-    assert all(report[k] == 0 for k in soak.VIOLATION_COUNTS), report
+    assert all(report[k] == 0 for k in soak_check.VIOLATION_COUNTS), report
     rounds = report["model_rounds"]  # a generate() round leaves out the requests drawn to be aborted: 6 rounds or more
     assert set(rounds) == {"gemma3_text", "qwen3_5_text"} and min(rounds.values()) == 3, report
 
@@ -286,7 +271,7 @@ STATE_OPTIONS = dict(block_size=4, num_blocks=16, max_num_batched_tokens=16, max
 
 @pytest.fixture(scope="module")
 def state_expected(hybrid):
-    outs = soak.reference_engine(hybrid).generate(STATE_PROMPTS, STATE_PARAMS, use_tqdm=False)
+    outs = soak_check.reference_engine(hybrid).generate(STATE_PROMPTS, STATE_PARAMS, use_tqdm=False)
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 

@@ -210,7 +210,7 @@ def test_a_stale_request_under_a_sliding_window_still_gives_blocks_back():
     most = 0
     while llm.has_unfinished_requests():
         llm.step()
-        group = llm.engine.groups.get("A")
+        group = llm.engine.parents.get("A")
         if group is not None:
             most = max(most, len(held(group.samples[0].block_table)))
     assert most <= 3

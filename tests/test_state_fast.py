@@ -129,3 +129,29 @@ def test_bf16_models_pass_the_start_up_check_with_the_substitutes(always_fast, m
     llm = hf_paged.LLM(model, num_blocks=32, block_size=4)
     out = llm.generate([[5, 6, 7, 8]], hf_paged.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_model_refused_with_the_substitutes_is_checked_again_on_its_own_forwards(monkeypatch, always_fast):
+    """Where the whole model's start-up check refuses it with the substitutes in (each agreed with its module alone),
+    the engine describes it again with every state module on its own forward, checks that, and serves it: HF's
+    tokens, no substitute called."""
+    from hf_paged.engine import engine as engine_module
+
+    checked = []
+    original = engine_module.check_paged_matches_model
+
+    def refuse_substituted(model, spec, backends):
+        checked.append(spec.substituted)
+        if spec.substituted:
+            raise ValueError("model type 'qwen3_5_text': as if the substitutes drifted past the tolerance")
+        return original(model, spec, backends)
+
+    monkeypatch.setattr(engine_module, "check_paged_matches_model", refuse_substituted)
+    model = tiny_hybrid("qwen3_5_text", seed=4)
+    llm = hf_paged.LLM(model, num_blocks=64, block_size=4)
+    assert checked == [True, False] and not llm.engine.spec.substituted
+    calls = {name: spy(monkeypatch, name) for name in (RECURRENT, CONV, CHUNK)}
+    ids, mask = left_padded_batch([5, 11])
+    assert_same_as_hf(model, ids, mask, max_new_tokens=6, do_sample=False)
+    out = llm.generate([[5, 6, 7, 8, 9]], hf_paged.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and not any(calls.values())

@@ -6,18 +6,14 @@ Each case is a (module attribute, when) pair: the wrapped callable raises on its
 running ("before") or after it ran ("after": its effects happened, the step did not finish).
 """
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
 from hf_paged import LLM, SamplingParams
+from hf_paged.bench import soak_faults
 from hf_paged.engine.scheduler import Scheduler
 
 from conftest import cached_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # soak_faults.py and what it imports
-import soak_faults  # noqa: E402
 
 SYSTEM = list(range(30, 50))
 PROMPTS = [SYSTEM + [5, 6, 7], [8, 9, 10, 11] * 5, SYSTEM + [12], [13, 14], SYSTEM + [5, 6, 7, 8, 9]]
@@ -128,7 +124,7 @@ def test_a_failed_step_changes_nothing(model, expected, monkeypatch, point, when
         got = [[ended[(rid, i)].token_ids for i in range(s.n)] for rid, s in zip(ids, PARAMS)]
         assert got == expected, f"{point[1]} {when} call {at} ({options})"
         llm.engine.check_idle()
-        assert not llm.engine.groups
+        assert not llm.engine.parents
     assert hit, f"{point[1]} was never reached: the case tests nothing"
 
 

@@ -6,12 +6,12 @@ from hf_paged.config import EngineConfig
 from hf_paged.engine.plan import Sampled, StepOutcome
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.kv import KVCacheManager
-from hf_paged.request import Request, RequestGroup, RequestStatus
+from hf_paged.request import Request, ParentRequest, RequestStatus
 from hf_paged.sampling import SamplingParams
 
 
 def make(name, prompt):
-    group = RequestGroup(name, 0, None, list(prompt))
+    group = ParentRequest(name, 0, None, list(prompt))
     request = Request(group, list(prompt), SamplingParams(max_tokens=4, ignore_eos=True))
     group.samples.append(request)
     return request
@@ -24,7 +24,7 @@ def scheduler():
 
 def state(sched):
     pool = sched.kv.pool
-    return ([r.group.request_id for r in sched.waiting], [r.group.request_id for r in sched.running],
+    return ([r.parent.request_id for r in sched.waiting], [r.parent.request_id for r in sched.running],
             dict(sched.counters), pool.num_free_blocks, [b.ref_count for b in pool.blocks],
             [(r.status, r.num_computed_tokens, list(r.output_token_ids), [list(t) for t in r.block_tables])
              for r in sched.running + list(sched.waiting)])
@@ -63,6 +63,6 @@ def test_an_interrupted_undo_runs_every_part_and_marks_the_scheduler_broken(monk
     with pytest.raises(KeyboardInterrupt):
         sched.undo.rollback()
     assert "interrupted (KeyboardInterrupt)" in sched.undo.broken
-    assert [r.group.request_id for r in sched.waiting] == ["a"] and sched.running == []  # the queues were put back
+    assert [r.parent.request_id for r in sched.waiting] == ["a"] and sched.running == []  # the queues were put back
     assert sched.kv.pool._journal is None  # and so was the pool, after the failing part
     assert a.status is RequestStatus.RUNNING  # the one part that failed

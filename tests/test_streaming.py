@@ -23,7 +23,7 @@ def llm(one_torch_thread):
 def assert_idle(llm: LLM) -> None:
     llm.engine.check_idle()
     stats = llm.stats()
-    assert stats["num_blocks_free"] == stats["num_blocks_total"] and not llm.engine.groups
+    assert stats["num_blocks_free"] == stats["num_blocks_total"] and not llm.engine.parents
 
 
 def finals(snapshots):
@@ -106,7 +106,7 @@ def test_cancelled_astream_frees_blocks_at_once(llm):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        held = [g.request_id for g in llm.engine.groups.values() if g.prompt != PROMPTS[1]]
+        held = [g.request_id for g in llm.engine.parents.values() if g.prompt != PROMPTS[1]]
         assert not held, f"cancelled requests still held: {held}"
         partial = await consume(llm, PROMPTS[:1], long, stop_after=3)  # aclose via break
         return await other, partial

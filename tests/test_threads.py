@@ -96,12 +96,15 @@ def test_a_model_hf_paged_ran_can_be_copied_and_saved(tmp_path):
         assert forward_lock(other) is not forward_lock(model) and forward_lock(other) is forward_lock(other)
 
 
-def test_a_copy_taken_in_the_middle_of_a_forward_is_never_silently_wrong():
+def test_a_copy_taken_in_the_middle_of_a_forward_is_never_silently_wrong(monkeypatch):
     """A deepcopy taken while an engine's forward runs (here from a hook inside it; in life, another thread) carries
     that forward's swapped linear forwards, bound to the copy's own modules (never computing with the original's
     weights), switched on for the engine's thread only (the copy computes as nn.Linear) and dropped when the copy is
-    first used. Its config was never written (the switch is per thread): the copy is served like the original."""
+    first used. Its config was never written (the switch is per thread): the copy is served like the original.
+    (The forced kernel swaps the linears in every step; measured, a step whose products are all F.linear swaps none.)"""
     import copy
+
+    monkeypatch.setenv("HF_PAGED_SMALL_LINEARS", "kernel")
 
     from hf_paged.tiny import tiny_model
 

@@ -24,3 +24,17 @@ def test_the_character_tokenizer_round_trips_text():
     tokenizer = tiny_tokenizer()
     ids = tokenizer("hi there\n", add_special_tokens=False)["input_ids"]
     assert len(ids) == 9 and tokenizer.decode(ids) == "hi there\n"
+
+
+def test_the_transformers_helpers_the_benchmarks_use():
+    """tiny.py is where the benchmarks and the census reach transformers (the package keeps that import at its edge)."""
+    from hf_paged import tiny
+
+    assert "llama" in tiny.causal_lm_types() and tiny.causal_lm_types() == sorted(tiny.causal_lm_types())
+    config = tiny.config_of("llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
+                            intermediate_size=64)
+    assert type(config).__name__ == "LlamaConfig" and config.hidden_size == 32
+    model = tiny.model_from_config(config)
+    assert not model.training and type(model).__name__ == "LlamaForCausalLM"
+    assert tiny.dynamic_cache(config=config).get_seq_length() == 0
+    assert tiny.transformers_version().split(".")[0].isdigit()

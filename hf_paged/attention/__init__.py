@@ -9,7 +9,7 @@ from .backends import AttentionBackend
 from .cpu_kernel import cpu_kernel_status
 from .extras import LayerExtras
 from .dispatch import BACKENDS, AttentionBackends, choose_backends, unavailable, why_not
-from .metadata import AttentionMetadata, SequenceGroupPlan
+from .metadata import AttentionMetadata, DenseTile
 from .torch_backend import store_kv
 
 
@@ -54,5 +54,5 @@ def _metadata_of(cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_t
     return AttentionMetadata.build(query_lens, contexts, tables, slots, block_size, device)
 
 
-__all__ = ["AttentionMetadata", "LayerExtras", "SequenceGroupPlan", "paged_attention", "store_kv", "BACKENDS", "cpu_kernel_status",
+__all__ = ["AttentionMetadata", "LayerExtras", "DenseTile", "paged_attention", "store_kv", "BACKENDS", "cpu_kernel_status",
            "why_not", "unavailable", "AttentionBackend", "AttentionBackends", "choose_backends"]

@@ -39,28 +39,33 @@ class CpuDecodeKernel:
         `extras`: the layer's sinks / ALiBi slopes / attention chunk (LayerExtras), all implemented here.
         `key_mask`: bool [G, >= max context], False for keys to leave out (a row with none left gets zeros)."""
         dtype = query.dtype  # fp32 or bf16 (the pages' dtype): the kernel computes in fp32
-        query = query.to(torch.float32).contiguous()  # the packed rows may come as a transposed view of [H, T, D]
+        if dtype != torch.float32:
+            query = query.to(torch.float32)
+        if not query.is_contiguous():  # the packed rows may come as a transposed view of [H, T, D]
+            query = query.contiguous()
         groups, num_heads, head_dim = query.shape
-        num_kv_heads = key_cache.shape[2]
         max_blocks = block_tables.shape[1]
         max_context = max_blocks * key_cache.shape[1]
         out = torch.empty_like(query)
         scores = torch.empty(groups * num_heads * max_context, dtype=torch.float32)
-        args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                context_lens.data_ptr(), out.data_ptr(), scores.data_ptr(), num_heads, num_kv_heads, head_dim,
-                key_cache.shape[1], max_blocks, max_context, scale, sliding_window or 0, softcap or 0.0)
-        per_head = [_per_head(t, num_heads) for t in (getattr(extras, "alibi_slopes", None),
-                                                      getattr(extras, "sinks", None))]
-        chunk = getattr(extras, "chunk_size", None) or 0
+        slopes = sinks = None
+        chunk = 0
+        if extras is not None:
+            slopes, sinks = (_per_head(t, num_heads) for t in (extras.alibi_slopes, extras.sinks))
+            chunk = extras.chunk_size or 0
         mask = None
         if key_mask is not None:
             if key_mask.shape[0] != groups or key_mask.shape[1] < int(context_lens.max()):
                 raise ValueError(f"key_mask of shape {tuple(key_mask.shape)} does not cover {groups} sequences' keys")
             mask = key_mask.to(device="cpu", dtype=torch.uint8).contiguous()
-        self.fns[key_cache.dtype](*args, *(0 if t is None else t.data_ptr() for t in per_head), chunk,
-                                  0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1], 0,
+        self.fns[key_cache.dtype](query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                  block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), scores.data_ptr(),
+                                  num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], max_blocks, max_context,
+                                  scale, sliding_window or 0, softcap or 0.0,
+                                  0 if slopes is None else slopes.data_ptr(), 0 if sinks is None else sinks.data_ptr(),
+                                  chunk, 0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1], 0,
                                   groups)
-        return out.to(dtype)
+        return out if dtype == torch.float32 else out.to(dtype)
 
 
 def _per_head(values: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:

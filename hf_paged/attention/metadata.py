@@ -9,7 +9,7 @@ from .extras import allowed as allowed_mask
 
 
 @dataclass(slots=True)
-class SequenceGroupPlan:
+class DenseTile:
     """Sequences of one step padded to a common query length, for backends that compute on dense tiles.
 
     `query_index[g, j]` is the packed row of query token j of sequence g (0 for padding);
@@ -63,35 +63,35 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     block_size: int
-    groups: list[SequenceGroupPlan] = field(default_factory=list)  # see decode_groups / other_groups
+    tiles: list[DenseTile] = field(default_factory=list)  # see decode_tiles / other_tiles
     fresh: list[tuple[int, int]] = field(default_factory=list)  # row ranges of prompts with no cached context
-    num_decode_groups: int = 0  # once built, the first groups are the decodes, split by context length
-    _pending_decodes: list[list[int]] = field(default_factory=list)  # decode groups whose plans are not built yet
-    _decodes: SequenceGroupPlan | None = None
+    num_decode_tiles: int = 0  # once built, the first tiles are the decodes, split by context length
+    _pending_decodes: list[list[int]] = field(default_factory=list)  # decode tiles whose plans are not built yet
+    _decodes: DenseTile | None = None
     _lists: tuple = ()  # (decode members, cu, query_lens, context_lens, block_tables) for building plans
 
-    def _build(self, members: list[int]) -> SequenceGroupPlan:
+    def _build(self, members: list[int]) -> DenseTile:
         _, cu, query_lens, context_lens, tables = self._lists
         return _plan(members, cu, query_lens, context_lens, tables, self.block_size, self.block_tables.device)
 
-    def decode_groups(self) -> list[SequenceGroupPlan]:
-        """The decodes split by context length (for backends that pad a group to its longest member). Built
+    def decode_tiles(self) -> list[DenseTile]:
+        """The decodes split by context length (for backends that pad a tile to its longest member). Built
         on first use: a backend that handles ragged lengths asks for `all_decodes` instead."""
         if self._pending_decodes:
-            self.groups = [self._build(m) for m in self._pending_decodes] + self.groups
+            self.tiles = [self._build(m) for m in self._pending_decodes] + self.tiles
             self._pending_decodes = []
-        return self.groups[:self.num_decode_groups]
+        return self.tiles[:self.num_decode_tiles]
 
-    def other_groups(self) -> list[SequenceGroupPlan]:
-        """The dense group of chunked / resumed prefills (at most one)."""
-        return self.groups if self._pending_decodes else self.groups[self.num_decode_groups:]
+    def other_tiles(self) -> list[DenseTile]:
+        """The dense tile of chunked / resumed prefills (at most one)."""
+        return self.tiles if self._pending_decodes else self.tiles[self.num_decode_tiles:]
 
-    def all_decodes(self) -> SequenceGroupPlan | None:
-        """Every decode of the step in ONE group (kernels that handle ragged lengths need no length split).
+    def all_decodes(self) -> DenseTile | None:
+        """Every decode of the step in ONE tile (kernels that handle ragged lengths need no length split).
         `rows` lists the packed rows in order, so when it covers all T rows it is arange(T)."""
-        if self._decodes is None and self.num_decode_groups:
-            if self.num_decode_groups == 1:
-                self._decodes = self.decode_groups()[0]
+        if self._decodes is None and self.num_decode_tiles:
+            if self.num_decode_tiles == 1:
+                self._decodes = self.decode_tiles()[0]
             else:
                 self._decodes = self._build(self._lists[0])
         return self._decodes
@@ -100,9 +100,9 @@ class AttentionMetadata:
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
               slot_mapping: list[int], block_size: int, device: torch.device) -> "AttentionMetadata":
         """From per-sequence Python lists. Three kinds of sequences are planned separately so that no
-        kind pads another: decodes (1 query token) form one dense group; fresh prompts (nothing cached
+        kind pads another: decodes (1 query token) form one dense tile; fresh prompts (nothing cached
         before this step) are listed in `fresh` and attend over their own new K/V; the rest (chunked
-        or resumed prefills) form a second dense group over their pages."""
+        or resumed prefills) form a second dense tile over their pages."""
         num_seqs = len(query_lens)
         cu = [0]
         for q in query_lens:
@@ -122,20 +122,20 @@ class AttentionMetadata:
         fresh = [i for i in range(num_seqs) if 1 < query_lens[i] == context_lens[i]]
         longer = [i for i in range(num_seqs) if 1 < query_lens[i] < context_lens[i]]
         meta.fresh = [(cu[i], cu[i + 1]) for i in fresh]
-        decode_groups = _split_by_length(decode, context_lens) if decode else []
-        meta.num_decode_groups = len(decode_groups)
+        decode_tiles = _split_by_length(decode, context_lens) if decode else []
+        meta.num_decode_tiles = len(decode_tiles)
         meta._lists = (decode, cu, query_lens, context_lens, block_tables)
-        meta._pending_decodes = decode_groups
+        meta._pending_decodes = decode_tiles
         if longer:
-            meta.groups.append(_plan(longer, cu, query_lens, context_lens, block_tables, block_size, device))
+            meta.tiles.append(_plan(longer, cu, query_lens, context_lens, block_tables, block_size, device))
         return meta
 
 
-def _split_by_length(members: list[int], context_lens: list[int], min_group: int = 8,
+def _split_by_length(members: list[int], context_lens: list[int], min_tile: int = 8,
                      min_saving: float = 0.15) -> list[list[int]]:
-    """Decodes padded to one length waste reads on the short ones. Sorted by context length, a group is
+    """Decodes padded to one length waste reads on the short ones. Sorted by context length, a tile is
     halved (recursively) while that saves at least `min_saving` of its padded K/V reads."""
-    if len(members) < 2 * min_group:
+    if len(members) < 2 * min_tile:
         return [members]
     ordered = sorted(members, key=context_lens.__getitem__)
     half = len(ordered) // 2
@@ -146,7 +146,13 @@ def _split_by_length(members: list[int], context_lens: list[int], min_group: int
     return [*_split_by_length(ordered[:half], context_lens), *_split_by_length(ordered[half:], context_lens)]
 
 
-def _plan(members, cu, query_lens, context_lens, block_tables, block_size, device) -> SequenceGroupPlan:
+def _plan(members, cu, query_lens, context_lens, block_tables, block_size, device) -> DenseTile:
+    if all(query_lens[i] == 1 for i in members):
+        return _decode_plan(members, cu, context_lens, block_tables, block_size, device)
+    return _dense_plan(members, cu, query_lens, context_lens, block_tables, block_size, device)
+
+
+def _dense_plan(members, cu, query_lens, context_lens, block_tables, block_size, device) -> DenseTile:
     max_q = max(query_lens[i] for i in members)
     max_blocks = max(-(-context_lens[i] // block_size) for i in members)
     index, valid, rows, tables = [], [], [], []
@@ -163,7 +169,7 @@ def _plan(members, cu, query_lens, context_lens, block_tables, block_size, devic
         return torch.tensor(values, dtype=torch.int64, device=device)[:, None]
 
     block_tables = torch.tensor(tables, dtype=torch.int64, device=device)
-    return SequenceGroupPlan(
+    return DenseTile(
         query_index=torch.tensor(index, dtype=torch.int64, device=device),
         valid=torch.tensor(valid, dtype=torch.bool, device=device),
         rows=torch.tensor(rows, dtype=torch.int64, device=device),
@@ -175,3 +181,18 @@ def _plan(members, cu, query_lens, context_lens, block_tables, block_size, devic
         max_query_len=max_q,
         kv_len=max_blocks * block_size,
     )
+
+
+def _decode_plan(members, cu, context_lens, block_tables, block_size, device) -> DenseTile:
+    """`_dense_plan` of decodes only (one query row each; the same tensors), from two host-to-tensor copies instead
+    of nine: a decode step builds one every step, and on a small model these copies are a visible part of it."""
+    max_blocks = max(-(-context_lens[i] // block_size) for i in members)
+    rows = [cu[i] for i in members]
+    tables = [block_tables[i][:max_blocks] + [0] * (max_blocks - len(block_tables[i][:max_blocks])) for i in members]
+    lists = torch.tensor([rows, [context_lens[i] for i in members]], dtype=torch.int64, device=device)
+    row_index, lengths = lists[0], lists[1][:, None]
+    block_tables = torch.tensor(tables, dtype=torch.int64, device=device)
+    return DenseTile(
+        query_index=row_index[:, None], valid=torch.ones(len(members), dtype=torch.bool, device=device),
+        rows=row_index, block_tables=block_tables, flat_tables=block_tables.reshape(-1), query_start=lengths - 1,
+        query_lens=torch.ones_like(lengths), context_lens=lengths, max_query_len=1, kv_len=max_blocks * block_size)

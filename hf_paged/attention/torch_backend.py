@@ -2,7 +2,7 @@
 attention/backends/torch_sdpa.py, calls `torch_paged_attention`). Also the cache write every backend relies on:
 `store_kv` (with fp8 `quantize`).
 
-Dense groups (see `SequenceGroupPlan`): gather the group's pages into [G, L, H_kv, D] with one
+Dense tiles (see `DenseTile`): gather the tile's pages into [G, L, H_kv, D] with one
 index_select per cache, attend with a bool mask through SDPA (GQA without repeating K/V), and scatter
 the rows back. Fresh prompts attend over their own new K/V with causal SDPA (no gather, no padding,
 masked-out blocks skipped). Soft-capped logits, ALiBi, relative-position logits and attention sinks (`LayerExtras`)
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .cpu_kernel import load_cpu_kernel, usable
 from .extras import LayerExtras, alibi_bias, relative_bias
 from .extras import allowed as allowed_mask
-from .metadata import AttentionMetadata, SequenceGroupPlan
+from .metadata import AttentionMetadata, DenseTile
 
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -30,7 +30,7 @@ def quantize(values: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> to
     """Values as stored in a cache of `cache_dtype`: fp8 caches hold values / scale, saturated to the fp8 range."""
     if cache_dtype in FP8_DTYPES:
         return (values.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(cache_dtype)
-    return values.to(cache_dtype)
+    return values if values.dtype == cache_dtype else values.to(cache_dtype)
 
 
 def dequantize(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -58,7 +58,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: SequenceGroupPlan,
+def _attend_tile(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: DenseTile,
                   scale: float, sliding_window: int | None, softcap: float | None, native,
                   kv_scales: tuple[float, float] = (1.0, 1.0), extras: LayerExtras | None = None) -> torch.Tensor:
     if native is not None and plan.max_query_len == 1:
@@ -66,10 +66,10 @@ def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                       scale, sliding_window, softcap, extras)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
-    groups, max_q = plan.query_index.shape
+    seqs, max_q = plan.query_index.shape
     q = query[plan.query_index].transpose(1, 2)  # [G, H, Q, D]
-    k = key_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = value_cache.index_select(0, plan.flat_tables).view(groups, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    k = key_cache.index_select(0, plan.flat_tables).view(seqs, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache.index_select(0, plan.flat_tables).view(seqs, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
     k, v = dequantize(k, q.dtype, kv_scales[0]), dequantize(v, q.dtype, kv_scales[1])
     chunk = extras.chunk_size if extras is not None else None
     allowed = plan.mask(sliding_window, chunk)  # [G, 1, Q, L]
@@ -81,7 +81,7 @@ def _attend_group(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     else:
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
                                              enable_gqa=True)
-    return out.transpose(1, 2).reshape(groups * max_q, num_heads, head_dim)[plan.valid]
+    return out.transpose(1, 2).reshape(seqs * max_q, num_heads, head_dim)[plan.valid]
 
 
 def _scored(extras: LayerExtras | None) -> bool:
@@ -160,17 +160,17 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     native = load_cpu_kernel() if use_native else None
     if key_cache.dtype in FP8_DTYPES:  # fresh prompts too attend over what the pages hold, as every later step does
         key = value = None
-    if native is not None and metadata.num_decode_groups:
+    if native is not None and metadata.num_decode_tiles:
         decodes = metadata.all_decodes()  # one kernel call for every decode: it needs no split by length
         if decodes.rows.numel() == query.shape[0]:  # a pure decode step: rows are 0..T-1 in order
             return native(query, key_cache, value_cache, decodes.block_tables, decodes.context_lens.view(-1),
                           scale, sliding_window, softcap, extras)
-        groups = [decodes, *metadata.other_groups()]
+        tiles = [decodes, *metadata.other_tiles()]
     else:
-        groups = [*metadata.decode_groups(), *metadata.other_groups()]
+        tiles = [*metadata.decode_tiles(), *metadata.other_tiles()]
     out = torch.empty_like(query)
-    for plan in groups:
-        out.index_copy_(0, plan.rows, _attend_group(query, key_cache, value_cache, plan, scale, sliding_window, softcap,
+    for plan in tiles:
+        out.index_copy_(0, plan.rows, _attend_tile(query, key_cache, value_cache, plan, scale, sliding_window, softcap,
                                                     native, kv_scales, extras))
     for start, end in metadata.fresh:
         fresh = extras if extras is None or extras.relative_logits is None else \

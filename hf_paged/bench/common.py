@@ -36,13 +36,17 @@ def emit_result(result: dict) -> None:
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 
+def worker_env() -> dict:
+    """The environment of a worker process: this one's, with the folder holding this hf_paged first on PYTHONPATH."""
+    root = str(Path(__file__).resolve().parents[2])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+
+
 def run_worker(args: list[str], timeout: float | None = None) -> dict:
     """Run `python <args>` (e.g. `["-m", "hf_paged.bench.swap", "--worker", ...]`) in a fresh process and return
     the JSON it emitted. The folder holding this hf_paged goes first on the child's PYTHONPATH, so a source
     checkout that is not installed works too."""
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=worker_env())
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])

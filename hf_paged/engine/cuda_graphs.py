@@ -33,7 +33,7 @@ Which attention backends are captured (`DecodeGraphRunner.probe`)
       split_count(..., max_context_len), so it is fixed; each program takes its KV range from the device context
       length and splits past it write an empty partial state that the reduce ignores. Capturable; the warm-up run
       compiles the variant for the bucket's shapes.
-    * torch: plans dense groups from Python lists every step (split by length, masks cached per step in a dict) and
+    * torch: plans dense tiles from Python lists every step (split by length, masks cached per step in a dict) and
       gathers kv_len keys for every decode; pinned to max_model_len it would read the longest context for every row.
       Eager on CUDA. (On CPU it is what the capture=False path runs: the static plan's tensors are refreshed and its
       mask cache cleared on every call.)
@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import AttentionMetadata, SequenceGroupPlan, dispatch
+from ..attention import AttentionMetadata, DenseTile, dispatch
 from ..config import EngineConfig, logger
 from ..kv import NULL_BLOCK
 from ..kv.slots import slot_of
@@ -335,7 +335,7 @@ class DecodeGraphRunner:
         group_tables, group_metadata = [], []
         for group in range(self.num_groups):
             tables = staging[self._tables_at(group):self._tables_at(group) + size * width].view(size, width)
-            plan = SequenceGroupPlan(  # the torch backend's view of the step: one decode group, every row a sequence
+            plan = DenseTile(  # the torch backend's view of the step: one decode group, every row a sequence
                 query_index=arange.view(size, 1), valid=self._valid[:size], rows=arange, block_tables=tables,
                 flat_tables=tables.view(-1), query_start=self._query_start[:size].view(size, 1),
                 query_lens=self._ones[:size].view(size, 1), context_lens=context_lens.view(size, 1),
@@ -345,7 +345,7 @@ class DecodeGraphRunner:
                 cu_seqlens_q=self._cu32[:size + 1], context_lens=self._context32[:size],
                 block_tables=self._tables32[group][:size * width].view(size, width),
                 slot_mapping=staging[self._slots_at(group):self._slots_at(group) + size],
-                max_query_len=1, max_context_len=width * bs, block_size=bs, groups=[plan], num_decode_groups=1))
+                max_query_len=1, max_context_len=width * bs, block_size=bs, tiles=[plan], num_decode_tiles=1))
         batch = StaticDecodeBatch(size, staging[:size].view(1, size), staging[rows:rows + size].view(1, size),
                                   context_lens, group_tables[0], group_metadata[0],
                                   group_tables=group_tables, group_metadata=group_metadata)
@@ -357,9 +357,9 @@ class DecodeGraphRunner:
         metadata = batch.metadata
         for tables, group in zip(batch.group_tables, batch.group_metadata):
             group.block_tables.copy_(tables)
-            group.groups[0].allowed.clear()  # masks are cached per step; a static plan rebuilds them from the tensors
+            group.tiles[0].allowed.clear()  # masks are cached per step; a static plan rebuilds them from the tensors
         metadata.context_lens.copy_(batch.context_lens)  # shared by every group's metadata
-        plan = metadata.groups[0]
+        plan = metadata.tiles[0]
         torch.sub(plan.context_lens, 1, out=plan.query_start)  # shared too
         batch.logits = self.runner.forward(batch.input_ids, batch.position_ids, metadata, None,
                                            group_metadata=batch.group_metadata if self.num_groups > 1 else None)

@@ -9,20 +9,20 @@ import torch
 
 from ..attention import choose_backends
 from ..attention.dispatch import unavailable
-from ..config import EngineConfig
+from ..config import EngineConfig, logger
 from ..kv import KVCacheManager
 from ..kv.groups import plan_groups
 from ..kv.state import StateCheckpoints, StateSlots
-from ..model import check_paged_matches_model, describe_model
+from ..model import ModelSpec, check_paged_matches_model, describe_model
 from ..model.fingerprint import weights_fingerprint
 from ..model.kv_calibration import fp8_kv_scales
-from ..request import Request, RequestGroup, RequestOutput
+from ..request import Request, ParentRequest, RequestOutput
 from ..sampling import Sampler, SamplingParams
 from .cuda_graphs import DecodeGraphSettings
 from .host_allocator import tune_host_allocator
 from .intake import Limits, check_model_len, check_request, tokenize
 from .memory import KVMemory
-from .outputs import group_output
+from .outputs import parent_output
 from .plan import PreemptionCosts
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -54,14 +54,16 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: EngineConfig | None = None,
-                 **options):
+                 *, spec: ModelSpec | None = None, **options):
+        """`spec`: `describe_model(model)` as the caller just made it (the generate take-over describes the model
+        before it decides to build an engine); None: described here."""
         if config is not None and options:
             raise ValueError("pass either an EngineConfig or keyword options, not both")
         self.config = config or EngineConfig.from_dict(options)
         self.config.validate()
         self.model = model
         self.tokenizer = tokenizer
-        self.spec = describe_model(model)
+        self.spec = spec if spec is not None else describe_model(model)
         device = self.spec.kv.device
         self.host_allocator = tune_host_allocator() if device.type == "cpu" else "not used (GPU)"
         reason = unavailable(self.config.attention_backend, device)
@@ -76,7 +78,7 @@ class Engine:
         backends = choose_backends(self.config.attention_backend, device)  # decides each kind of attention call once
         # refuse a model we would serve wrong; layers grouped by the window they attend through (blocks behind a
         # sliding group's window go back to the pool)
-        windows = check_paged_matches_model(model, self.spec, backends)
+        windows = self._checked(model, backends)
         self.spec.kv.groups = plan_groups({layer: windows.get(layer) for layer in self.spec.kv.stored_layers})
         self.memory = KVMemory(self.spec.kv, self.config)
         # state layers: one slot per running request (no prefix hits there: see KVCacheManager)
@@ -105,7 +107,7 @@ class Engine:
             getattr(tokenizer, "eos_token_id", None))
         # an EOS id the model can never produce can never stop a request (nor be banned under min_tokens)
         self.eos_token_ids = tuple(sorted({t for t in eos if 0 <= t < self.spec.vocab_size}))
-        self.groups: dict[str, RequestGroup] = {}  # unfinished (or not yet collected) prompts by request id
+        self.parents: dict[str, ParentRequest] = {}  # unfinished (or not yet collected) prompts by request id
         # request id -> indices of its samples that received a token or finished since their consumer last collected
         # (`LLM` routes them to whichever call owns the request, whoever stepped); replaced whole, never edited
         self.dirty: dict[str, frozenset[int]] = {}
@@ -116,6 +118,18 @@ class Engine:
         self.lock = threading.RLock()  # add_request / abort / step from several threads run one at a time
         self._in_step = False  # a step of the thread holding `lock` is running (aborts it makes wait for its end)
         self._deferred_aborts: list[str] = []
+
+    def _checked(self, model: torch.nn.Module, backends) -> dict:
+        """The start-up check (`check_paged_matches_model`); a model refused while some state modules run hf_paged's
+        faster forwards is checked again on their own forwards, and served on those if it passes."""
+        try:
+            return check_paged_matches_model(model, self.spec, backends)
+        except ValueError as refused:
+            if not self.spec.substituted:
+                raise
+            logger.warning("hf_paged: %s; checking again with the state modules' own forwards", refused)
+        self.spec = describe_model(model, substitutes=False)
+        return check_paged_matches_model(model, self.spec, backends)
 
     # ---- input ---------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int], index: int) -> list[int]:
@@ -133,15 +147,15 @@ class Engine:
         """The next automatic id that no queued request uses (a caller's own ids may look like ours)."""
         while True:
             request_id = str(next(self._ids))
-            if request_id not in self.groups:
+            if request_id not in self.parents:
                 return request_id
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, priority: int = 0, index: int = 0,
                     controller: Any = None, prompt_text: str | None = None,
                     fork_of: Request | None = None, first_query: tuple[int, int] | None = None,
-                    token_types: tuple[list[int], int] | None = None, checked: bool = False) -> RequestGroup:
-        """Validate and queue one prompt as a group of `params.n` samples. Returns the group.
+                    token_types: tuple[list[int], int] | None = None, checked: bool = False) -> ParentRequest:
+        """Validate and queue one prompt as a parent of `params.n` samples. Returns the parent.
 
         Samples after the first (and, with `fork_of`, a queued request with the same prompt, the first too) are not
         scheduled on their own: when the prompt has been computed they fork from it, sharing its blocks and its
@@ -174,22 +188,22 @@ class Engine:
                              prompt if isinstance(prompt, str) else prompt_text, fork_of, first_query, token_types)
 
     def _add(self, token_ids, params, request_id, priority, index, controller, text, fork_of,
-             first_query, token_types) -> RequestGroup:
+             first_query, token_types) -> ParentRequest:
         request_id = self._new_id() if request_id is None else str(request_id)
-        if request_id in self.groups:
+        if request_id in self.parents:
             raise ValueError(f"request {index}: request_id {request_id!r} is already in use")
-        group = RequestGroup(request_id, index, text, token_ids)
+        parent = ParentRequest(request_id, index, text, token_ids)
         for sample in range(params.n):
-            request = Request(group, token_ids, params, self.eos_token_ids, next(self._arrivals), priority, sample,
+            request = Request(parent, token_ids, params, self.eos_token_ids, next(self._arrivals), priority, sample,
                               controller, first_query=first_query, token_types=token_types)
             if params.seed is not None:
                 request.generator = torch.Generator(self.spec.kv.device).manual_seed(params.seed + sample)
             if params.logprobs is not None:
                 request.logprobs = []
-            group.samples.append(request)
-            self.scheduler.add(request, fork_of=group.samples[0] if sample else fork_of)
-        self.groups[request_id] = group
-        return group
+            parent.samples.append(request)
+            self.scheduler.add(request, fork_of=parent.samples[0] if sample else fork_of)
+        self.parents[request_id] = parent
+        return parent
 
     def abort(self, request_id: str) -> bool:
         """Stop every sample of a request and free its memory. Returns whether the id was known. Called from inside
@@ -198,12 +212,12 @@ class Engine:
         with self.lock:
             if self._in_step:
                 self._deferred_aborts.append(str(request_id))
-                return str(request_id) in self.groups
-            group = self.groups.pop(str(request_id), None)
-            if group is None:
+                return str(request_id) in self.parents
+            parent = self.parents.pop(str(request_id), None)
+            if parent is None:
                 return False
-            self._unmark(group.request_id)
-            for request in group.samples:
+            self._unmark(parent.request_id)
+            for request in parent.samples:
                 self.scheduler.abort(request)
             return True
 
@@ -253,7 +267,7 @@ class Engine:
             if changed:
                 dirty = dict(self.dirty)
                 for request in changed:
-                    request_id = request.group.request_id
+                    request_id = request.parent.request_id
                     dirty[request_id] = dirty.get(request_id, frozenset()) | {request.sample_index}
                 self.dirty = dirty  # before the commit: a failure between them leaves a mark, never loses one
                 self.finish_marks += sum(1 for request in changed if request.is_finished)
@@ -307,14 +321,14 @@ class Engine:
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def output(self, group: RequestGroup, samples: list[Request] | None = None, partial: bool = False) -> RequestOutput:
-        return group_output(group, samples, self.detokenize if self.tokenizer is not None else None, partial)
+    def output(self, parent: ParentRequest, samples: list[Request] | None = None, partial: bool = False) -> RequestOutput:
+        return parent_output(parent, samples, self.detokenize if self.tokenizer is not None else None, partial)
 
-    def release(self, group: RequestGroup) -> None:
-        """Forget a finished group (its memory is already free)."""
-        if self.groups.get(group.request_id) is group:
-            del self.groups[group.request_id]
-            self._unmark(group.request_id)
+    def release(self, parent: ParentRequest) -> None:
+        """Forget a finished parent (its memory is already free)."""
+        if self.parents.get(parent.request_id) is parent:
+            del self.parents[parent.request_id]
+            self._unmark(parent.request_id)
 
     def _unmark(self, request_id: str) -> None:
         """Drop a request's marks; `dirty` is replaced whole (others iterate it without the lock)."""

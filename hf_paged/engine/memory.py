@@ -58,7 +58,8 @@ class KVMemory:
     """
 
     def __init__(self, spec: KVCacheSpec, config: EngineConfig):
-        budget = config.kv_cache_memory or default_kv_cache_bytes(spec.device)
+        budget = config.kv_cache_memory or (default_kv_cache_bytes(spec.device) if config.num_blocks is None
+                                            else 0)  # a given block count needs no budget (nor a look at RAM)
         self.num_blocks = choose_num_blocks(spec, config.block_size, config.num_blocks, budget)
         if config.num_blocks is None and self.num_blocks > 1:
             self.num_blocks -= 1  # the null block comes out of the byte budget too

@@ -1,9 +1,9 @@
-"""What callers get back: `RequestOutput`s built from a request group (text decoded once, at the end)."""
+"""What callers get back: `RequestOutput`s built from a parent request (text decoded once, at the end)."""
 from __future__ import annotations
 
 from typing import Callable
 
-from ..request import CompletionOutput, Request, RequestGroup, RequestOutput, stop_string_start
+from ..request import CompletionOutput, Request, ParentRequest, RequestOutput, stop_string_start
 
 
 def completion(request: Request, detokenize: Callable[[list[int]], str] | None,
@@ -27,22 +27,22 @@ def completion(request: Request, detokenize: Callable[[list[int]], str] | None,
                             request.logprobs, error)
 
 
-def group_output(group: RequestGroup, samples: list[Request] | None,
+def parent_output(parent: ParentRequest, samples: list[Request] | None,
                  detokenize: Callable[[list[int]], str] | None, partial: bool = False) -> RequestOutput:
     """The output of `samples` (default: all) of one prompt, samples in order (`partial`: with the text so far of
     unfinished samples, for streaming snapshots)."""
-    samples = group.samples if samples is None else sorted(samples, key=lambda r: r.sample_index)
-    first = group.samples[0]
-    return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+    samples = parent.samples if samples is None else sorted(samples, key=lambda r: r.sample_index)
+    first = parent.samples[0]
+    return RequestOutput(parent.request_id, parent.prompt, list(parent.prompt_token_ids),
                          [completion(r, detokenize, partial) for r in samples],
                          num_cached_tokens=max(0, first.num_cached_tokens),
-                         finished=all(r.is_finished for r in samples), metrics=metrics(group))
+                         finished=all(r.is_finished for r in samples), metrics=metrics(parent))
 
 
-def metrics(group: RequestGroup) -> dict:
+def metrics(parent: ParentRequest) -> dict:
     """Wall-clock timings of one prompt's samples (seconds since it was added)."""
-    firsts = [r.first_token_time for r in group.samples if r.first_token_time is not None]
-    ends = [r.finished_time for r in group.samples if r.finished_time is not None]
-    return {"time_to_first_token_s": min(firsts) - group.arrival_time if firsts else None,
-            "latency_s": max(ends) - group.arrival_time if len(ends) == len(group.samples) else None,
-            "num_preemptions": sum(r.num_preemptions for r in group.samples)}
+    firsts = [r.first_token_time for r in parent.samples if r.first_token_time is not None]
+    ends = [r.finished_time for r in parent.samples if r.finished_time is not None]
+    return {"time_to_first_token_s": min(firsts) - parent.arrival_time if firsts else None,
+            "latency_s": max(ends) - parent.arrival_time if len(ends) == len(parent.samples) else None,
+            "num_preemptions": sum(r.num_preemptions for r in parent.samples)}

@@ -52,6 +52,8 @@ class ModelRunner:
         self.backends = backends if backends is not None else choose_backends(backend, self.device)
         self.block_size = kv_cache.block_size
         self.linears = SmallBatchLinears(model)  # decode-sized steps on CPU: weight-streaming matmuls
+        self.layer_calls: dict = {}  # what each attention module's calls need, found in the first step (LayerCall)
+        self.num_attention_layers = len(spec.kv.stored_layers)  # calls a forward makes (the start-up check's count)
         # decode-only steps padded to a bucket and replayed as CUDA graphs (None: every step eager; see cuda_graphs.py)
         self.graphs = DecodeGraphRunner(self, graphs) if graphs is not None else None
 
@@ -139,16 +141,23 @@ class ModelRunner:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
         decode graphs (captured or not) both run exactly this."""
         context = PagedForwardContext(metadata, self.kv_cache, self.backends, states=states,
-                                      group_metadata=group_metadata)
+                                      group_metadata=group_metadata, layer_calls=self.layer_calls)
         kwargs = {}
         if sample_rows is not None and self.spec.accepts_logits_to_keep:
             kwargs["logits_to_keep"] = sample_rows
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
+        rows = input_ids.shape[-1]
+        head_rows = rows if sample_rows is None or not self.spec.accepts_logits_to_keep else sample_rows.shape[0]
         with forward_lock(self.model), paged_attention_active(self.spec.configs), \
-                self.linears.active():
+                self.linears.active(rows, head_rows):
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              paged_context=context, **kwargs)
+        if context.num_calls != self.num_attention_layers:
+            raise RuntimeError(f"{context.num_calls} attention calls reached the paged KV cache in this step, where the "
+                               f"model's {self.num_attention_layers} attention layers each made one when the engine "
+                               f"started (a module replaced since, with a config of its own, or code that changed?): "
+                               f"the step is undone rather than computed without the cache; build a new engine")
         logits = out.logits[0]
         if sample_rows is not None and not self.spec.accepts_logits_to_keep:
             logits = logits[sample_rows]

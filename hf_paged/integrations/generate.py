@@ -8,6 +8,7 @@ expansion, logits processors, stopping criteria) and only the decoding runs on t
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Mapping
 
@@ -23,6 +24,7 @@ from ..model import describe_model, position_takers
 from ..model.own_state import has_own_state
 from ..model.state_modules import find_state_modules, own_cache_class
 from ..model.probe import counts_padding
+from ..model.signatures import parameter_names
 
 PAGED = "paged"
 # model kwargs the engine understands; anything else (images, inputs_embeds, the caller's own position_ids, ...)
@@ -110,7 +112,7 @@ def _takes_positions(model) -> bool:
     """Whether HF's generate hands this model position ids (its own loop does so exactly then) and the engine can
     hand it any: models with a learned position-embedding module (opt, xglm, biogpt) get each token's index in its
     sequence from the engine (`model.position_takers`), which a right-padded row's shifted positions are not."""
-    return "position_ids" in inspect.signature(model.forward).parameters and not model.config.is_encoder_decoder \
+    return "position_ids" in parameter_names(model.forward) and not model.config.is_encoder_decoder \
         and not position_takers(model)
 
 
@@ -244,9 +246,14 @@ def _no_paged_cache(model, reason: str) -> None:
                          f"serves it: greedy or sampling on left-padded batches, without options that need HF's loop)")
 
 
+@functools.lru_cache(maxsize=8)
+def _signature(function) -> inspect.Signature:
+    return inspect.signature(function)
+
+
 def paged_generate(original, model, args: tuple, kwargs: dict):
     """The body of the patched `GenerationMixin.generate`."""
-    signature = inspect.signature(original)
+    signature = _signature(original)
     bound = signature.bind(model, *args, **kwargs)
     arguments = dict(bound.arguments)
     extra = dict(arguments.pop("kwargs", {}))
@@ -276,6 +283,7 @@ def paged_generate(original, model, args: tuple, kwargs: dict):
         _set_option(arguments, extra, "stop_strings", None)
     extra.pop("cache_config", None)
     call["cache_config"] = options
+    call["spec"] = spec  # the engine takes it as described here (describing again costs ~0.5 ms a call)
     arguments.pop("self", None)
     arguments["custom_generate"] = _paged_decoding_loop
     logger.debug("hf_paged: generate ran on the paged engine")
@@ -289,7 +297,7 @@ def _paged_decoding_loop(model, input_ids, logits_processor, stopping_criteria, 
     run = GenerateRun(model, input_ids, model_kwargs.get("attention_mask"), generation_config, logits_processor,
                       stopping_criteria, call.get("streamer"), model_kwargs.get("position_ids"),
                       model_kwargs.get("token_type_ids"))
-    engine = Engine(model, None, run.engine_config(call.get("cache_config")))
+    engine = Engine(model, None, run.engine_config(call.get("cache_config")), spec=call.get("spec"))
     blocker = run.lockstep_blocker(engine) if run.must_lockstep else None
     if blocker is not None:
         spec, options = engine.spec, call.get("cache_config") or {}

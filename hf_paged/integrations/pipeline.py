@@ -28,7 +28,7 @@ import torch
 from ..config import EngineConfig, logger
 from ..distributed import gather_in_order, plan_processes, split_world
 from ..engine import Engine
-from ..request import RequestGroup
+from ..request import ParentRequest
 from ..sampling import SamplingParams
 from .generate import wants_paged
 
@@ -130,13 +130,13 @@ def _items(inputs: Any) -> Iterable[Any]:
     return inputs
 
 
-def _model_outputs(model_inputs: dict, group: RequestGroup, pad: int) -> dict:
+def _model_outputs(model_inputs: dict, parent: ParentRequest, pad: int) -> dict:
     """What `_forward` returns for a batch of one: the prompt, then each sample's tokens padded to the longest."""
-    failed = [r for r in group.samples if r.finish_reason == "error"]
+    failed = [r for r in parent.samples if r.finish_reason == "error"]
     if failed:
-        raise RuntimeError(f"hf_paged pipeline: input {group.index} failed: {failed[0].error}")
+        raise RuntimeError(f"hf_paged pipeline: input {parent.index} failed: {failed[0].error}")
     prompt = model_inputs["input_ids"]
-    rows = [r.output_token_ids for r in group.samples]
+    rows = [r.output_token_ids for r in parent.samples]
     width = max(len(row) for row in rows)
     new = torch.tensor([row + [pad] * (width - len(row)) for row in rows], dtype=torch.long)
     sequences = torch.cat([prompt.cpu().expand(len(rows), -1), new], dim=1)
@@ -149,7 +149,7 @@ def run_on_engine(pipe, engine: Engine, items: Iterable[tuple[int, Any]], plan: 
     fewer than 2 * max_num_seqs prompts are unfinished; an exception or an abandoned iterator aborts what is queued.
     Empty prompts (HF starts them from BOS) go through the pipeline's own forward, alone."""
     source = iter(items)
-    pending: list[tuple[int, dict, RequestGroup | None]] = []
+    pending: list[tuple[int, dict, ParentRequest | None]] = []
     limit = 2 * engine.config.max_num_seqs
     exhausted = False
     try:
@@ -162,26 +162,26 @@ def run_on_engine(pipe, engine: Engine, items: Iterable[tuple[int, Any]], plan: 
                     break
                 model_inputs = pipe.preprocess(item, **preprocess_params)
                 ids = model_inputs["input_ids"][0].tolist()
-                group = engine.add_request(ids, plan.params, index=index) if ids else None
-                pending.append((index, model_inputs, group))
+                parent = engine.add_request(ids, plan.params, index=index) if ids else None
+                pending.append((index, model_inputs, parent))
             while pending and (pending[0][2] is None or pending[0][2].is_finished):
-                index, model_inputs, group = pending.pop(0)
-                yield index, _finish(pipe, engine, model_inputs, group, plan, postprocess_params)
+                index, model_inputs, parent = pending.pop(0)
+                yield index, _finish(pipe, engine, model_inputs, parent, plan, postprocess_params)
             if pending and engine.has_unfinished:
                 engine.step()
     finally:
-        for _, _, group in pending:
-            if group is not None:
-                engine.abort(group.request_id)
+        for _, _, parent in pending:
+            if parent is not None:
+                engine.abort(parent.request_id)
 
 
-def _finish(pipe, engine: Engine, model_inputs: dict, group: RequestGroup | None, plan: EnginePlan,
+def _finish(pipe, engine: Engine, model_inputs: dict, parent: ParentRequest | None, plan: EnginePlan,
             postprocess_params: dict):
-    if group is None:
+    if parent is None:
         model_outputs = pipe.forward(model_inputs, **plan.forward_params)
     else:
-        engine.release(group)
-        model_outputs = _model_outputs(model_inputs, group, plan.pad)
+        engine.release(parent)
+        model_outputs = _model_outputs(model_inputs, parent, plan.pad)
     return pipe.postprocess(model_outputs, **postprocess_params)
 
 

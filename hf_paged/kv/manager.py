@@ -11,7 +11,7 @@ from .state import StateCheckpoints, StateSlots
 from .tables import blocks_needed, copy_on_write, held, release_leading, released_prefix
 
 
-class Sequence(Protocol):
+class BlockHolder(Protocol):
     """What the manager reads and keeps per sequence (a `Request` is one). The manager owns `block_tables` (one per
     KV group, or none while the sequence holds no memory), `block_hashes` and `num_published_blocks`; it only reads
     the token ids and `num_computed_tokens`."""
@@ -86,7 +86,7 @@ class KVCacheManager:
     def num_groups(self) -> int:
         return len(self.groups)
 
-    def tables(self, request: Sequence) -> list[list[int]]:
+    def tables(self, request: BlockHolder) -> list[list[int]]:
         """The request's tables, one per group (made empty for one that holds nothing)."""
         if not request.block_tables:
             request.block_tables = [[] for _ in self.groups]
@@ -169,7 +169,7 @@ class KVCacheManager:
         self._contexts += 1
         self._context = context
 
-    def _hashes(self, request: Sequence, count: int) -> list[bytes]:
+    def _hashes(self, request: BlockHolder, count: int) -> list[bytes]:
         """The chain keys of the request's first `count` full blocks (computed once, extended lazily)."""
         bs, keys, tokens = self.block_size, request.block_hashes, request.all_token_ids
         while len(keys) < count:
@@ -177,7 +177,7 @@ class KVCacheManager:
             keys.append(hash_block(keys[-1] if keys else self._root, tokens[i * bs:(i + 1) * bs], request.cache_salt))
         return keys[:count]
 
-    def computed_blocks(self, request: Sequence) -> list[tuple[Block | None, ...]]:
+    def computed_blocks(self, request: BlockHolder) -> list[tuple[Block | None, ...]]:
         """Cached blocks serving the request's leading full blocks (see `prefix_hits.find_hits`). The last token is
         always left to compute so that there are logits to sample from."""
         if not self.enable_prefix_caching:
@@ -186,7 +186,7 @@ class KVCacheManager:
         return find_hits(self.pool, self.groups, self.block_size, keys, request.all_token_ids,
                          None if self.states is None else self.checkpoints)
 
-    def common_prefix_blocks(self, request: Sequence, other: Sequence) -> int:
+    def common_prefix_blocks(self, request: BlockHolder, other: BlockHolder) -> int:
         """How many leading full prompt blocks two requests share (same salt, same tokens)."""
         bs = self.block_size
         count = min(request.num_prompt_tokens, other.num_prompt_tokens) // bs
@@ -198,7 +198,7 @@ class KVCacheManager:
             shared += 1
         return shared
 
-    def can_admit(self, request: Sequence, hits: list[tuple[Block | None, ...]]) -> bool:
+    def can_admit(self, request: BlockHolder, hits: list[tuple[Block | None, ...]]) -> bool:
         """Whether blocks for the whole of `request` fit (in a releasing group, the most it holds at once: see
         `group_bound`), counting hits that would leave the free queue."""
         revived = sum(1 for row in hits for block in row if block is not None and block.ref_count == 0)
@@ -208,7 +208,7 @@ class KVCacheManager:
             need += max(self.group_bound(g, request.num_tokens) - taken, 0)
         return need <= self.pool.num_free_blocks - revived
 
-    def admit(self, request: Sequence, hits: list[tuple[Block | None, ...]]) -> int:
+    def admit(self, request: BlockHolder, hits: list[tuple[Block | None, ...]]) -> int:
         """Start the request's tables with its prefix hits. Returns how many tokens they hold (computed already)."""
         self.pool.touch([block for row in hits for block in row if block is not None])
         request.block_tables = [[NULL_BLOCK if row[g] is None else row[g].block_id for row in hits]
@@ -219,7 +219,7 @@ class KVCacheManager:
             self.states.copy_from(self.checkpoints.store, source, request.state_slot)
         return len(hits) * self.block_size
 
-    def reserve_checkpoints(self, request: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+    def reserve_checkpoints(self, request: BlockHolder, num_new_tokens: int) -> list[tuple[int, int]]:
         """Checkpoints the step that runs `num_new_tokens` of `request` is to write: (tokens into the step's rows
         of the request after which the state is taken, checkpoint slot), for each prompt block boundary it crosses
         that is an `interval`-th one, and whose state is not kept already. (Each cut splits a prefill into separate
@@ -236,18 +236,18 @@ class KVCacheManager:
                 found.append((block * bs - start, slot))
         return found
 
-    def take_state_slot(self, request: Sequence) -> None:
+    def take_state_slot(self, request: BlockHolder) -> None:
         """Give `request` a state slot if the model has state layers and it holds none."""
         if self.states is not None and request.state_slot < 0:
             request.state_slot = self.states.allocate()
 
-    def count_lookup(self, request: Sequence, num_hit_tokens: int) -> None:
+    def count_lookup(self, request: BlockHolder, num_hit_tokens: int) -> None:
         """Hit / query counters, once per admission that went through."""
         if self.enable_prefix_caching:
             self.query_tokens += request.num_tokens
             self.hit_tokens += num_hit_tokens
 
-    def cache_full_blocks(self, request: Sequence) -> None:
+    def cache_full_blocks(self, request: BlockHolder) -> None:
         """Publish the request's newly completed blocks to the prefix map, in every group."""
         if not self.enable_prefix_caching or request.stale_kv:
             return
@@ -268,20 +268,20 @@ class KVCacheManager:
         request.num_published_blocks = full
 
     # ---- growth and release ------------------------------------------------------------------------
-    def num_new_blocks(self, request: Sequence, num_new_tokens: int) -> int:
+    def num_new_blocks(self, request: BlockHolder, num_new_tokens: int) -> int:
         total = blocks_needed(request.num_computed_tokens + num_new_tokens, self.block_size)
         tables = request.block_tables or [[] for _ in self.groups]
         return sum(max(0, total - len(table)) + (self._shared_write_block(request, table) is not None)
                    for table in tables)
 
-    def _shared_write_block(self, request: Sequence, table: list[int]) -> int | None:
+    def _shared_write_block(self, request: BlockHolder, table: list[int]) -> int | None:
         """Index in `table` of the block the next token goes to, if other requests share it."""
         index = request.num_computed_tokens // self.block_size
         if index < len(table) and self.pool.blocks[table[index]].ref_count > 1:
             return index
         return None
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: BlockHolder, child: BlockHolder) -> None:
         """Give `child` the parent's tables (one more reference on every block); the caller gives it the parent's
         computed length."""
         tables = self.tables(parent)
@@ -306,7 +306,7 @@ class KVCacheManager:
         sources = {destination: source for source, destination in self._copies}
         return [sources.get(b, b) for b in block_ids]
 
-    def allocate_slots(self, request: Sequence, num_new_tokens: int) -> bool:
+    def allocate_slots(self, request: BlockHolder, num_new_tokens: int) -> bool:
         """Extend every table to hold `num_new_tokens` more tokens; a block the request shares and is about to write
         is first replaced by a private copy. Returns False (and changes nothing) when the pool cannot cover it."""
         if self.num_new_blocks(request, num_new_tokens) > self.pool.num_free_blocks:
@@ -337,7 +337,7 @@ class KVCacheManager:
             self._clean[b] = 1
         return fresh
 
-    def discard_contents(self, request: Sequence) -> None:
+    def discard_contents(self, request: BlockHolder) -> None:
         """The request's K/V may be non-finite (its forward pass went wrong): take its blocks out of the prefix
         map, so no later request hits them, and clear each again before it is next handed out. Blocks it shares
         with running requests keep serving them untouched (they are cleared only once handed out anew)."""
@@ -353,7 +353,7 @@ class KVCacheManager:
             for key in request.block_hashes:
                 self.checkpoints.forget(key)
 
-    def distrust_tail(self, request: Sequence) -> None:
+    def distrust_tail(self, request: BlockHolder) -> None:
         """A failed forward pass may have written past the request's computed tokens: the block holding its next slot
         is cleared before it is next handed out (the request itself overwrites those slots before reading them)."""
         index = request.num_computed_tokens // self.block_size
@@ -361,7 +361,7 @@ class KVCacheManager:
             if index < len(table) and table[index] != NULL_BLOCK:
                 self._clean[table[index]] = 0
 
-    def free(self, request: Sequence) -> None:
+    def free(self, request: BlockHolder) -> None:
         for table in request.block_tables:
             self.pool.free(held(table))
         request.block_tables = []
@@ -370,7 +370,7 @@ class KVCacheManager:
             self.states.free(request.state_slot)
             request.state_slot = -1
 
-    def release_behind(self, request: Sequence, position: int) -> int:
+    def release_behind(self, request: BlockHolder, position: int) -> int:
         """In each group with a window or chunks, give back the blocks holding only slots its queries from `position` on never
         read; their entries become the null block. Only published blocks go (they stay in the prefix map, free to
         serve a later hit until evicted), so the prefix chain of the ones still to publish is intact. They count as

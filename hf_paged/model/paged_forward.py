@@ -1,4 +1,4 @@
-"""The "paged" attention implementation as transformers sees it, plus its (empty) mask function."""
+"""The "paged" attention implementation as transformers sees it (it has no mask function: see `paged_mask`)."""
 from __future__ import annotations
 
 import inspect
@@ -11,6 +11,7 @@ import torch
 from ..attention import AttentionBackends, AttentionMetadata, LayerExtras, store_kv
 from ..kv import KVCache
 from .kv_shapes import cut_to_value, fit_to_pages, page_mismatch, record_kv_shapes
+from .signatures import parameter_names
 from .switches import ThreadForward, switched_attention
 
 ATTENTION_NAME = "paged"
@@ -30,6 +31,9 @@ class PagedForwardContext:
     windows: list | None = None  # the start-up check's list: gets the sliding_window each call passed (None: none)
     states: object = None  # the step's `state_layers.StateStep` on a model with state layers
     group_metadata: list | None = None  # with several KV groups, each one's (`metadata`: the first group's)
+    # id(attention module) -> (module, its LayerCall): what a module's calls need that never changes between steps,
+    # found on its first call; the engine hands the same dict to every step (a new dict: found again)
+    layer_calls: dict = field(default_factory=dict)
 
     def metadata_of(self, layer: int) -> AttentionMetadata:
         """The metadata layer `layer` reads and writes its pages with."""
@@ -51,7 +55,7 @@ def check_supported(module, args: tuple, dropout: float, kwargs: dict) -> None:
     """Refuse, naming the model type and the feature, anything this function would otherwise ignore: extra
     positional arguments, a per-head sink (`s_aux` / `sinks`), an attention bias (ALiBi), unknown keywords with a
     value, dropout in training mode, a non-causal call. Silently wrong attention is worse than none."""
-    model_type = getattr(getattr(module, "config", None), "model_type", type(module).__name__)
+    model_type = _model_type(module)
     if args:
         raise UnsupportedAttention(f"model type {model_type!r}: its attention passes {len(args)} extra positional "
                                    f"argument(s), which hf_paged's paged attention does not implement")
@@ -78,14 +82,44 @@ def paged_attention_forward(module, query, key, value, attention_mask, *args, sc
                                    f"forward's keyword arguments down to its attention modules")
     sinks = kwargs.pop("s_aux", None)  # per-head attention-sink logits (gpt-oss, granite_swa, flint)
     relative = kwargs.pop("relative_logits", None)  # [1, T, H, E] from a paged forward of its own (relative_attention)
-    if args or dropout or kwargs:
+    if args or dropout or (kwargs and not IGNORED_KEYWORDS.issuperset(kwargs)) or kwargs.get("is_causal") is False:
         check_supported(module, args, dropout, kwargs)
-    query = _llama4_temperature(module, query, paged_context.metadata)
-    layer = _layer_of(module, paged_context)
-    extras = LayerExtras(sinks=sinks, chunk_size=_chunk_size(module, layer),
-                         relative_logits=None if relative is None else relative[0])
-    out = attend_paged(module, query, key, value, paged_context, scaling, sliding_window, softcap, extras, layer)
+    call = _layer_call(module, paged_context)
+    if call.temperature:
+        query = _llama4_temperature(module, query, paged_context.metadata)
+    extras = None
+    if sinks is not None or relative is not None or call.chunk_size:
+        extras = LayerExtras(sinks=sinks, chunk_size=call.chunk_size,
+                             relative_logits=None if relative is None else relative[0])
+    out = attend_paged(module, query, key, value, paged_context, scaling, sliding_window, softcap, extras, call.layer)
     return out[None], None
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCall:
+    """What an attention module's paged calls need that is the same in every step."""
+
+    layer: int  # whose pages it reads and writes (`_layer_of`)
+    chunk_size: int | None  # a chunked_attention layer's chunk (`_chunk_size`)
+    temperature: bool  # llama4's NoPE query temperature applies (`_llama4_temperature`)
+
+
+def _layer_call(module, context: PagedForwardContext) -> LayerCall:
+    """The module's LayerCall, found once per engine (`context.layer_calls`). A model whose K/V are stored by call
+    (several calls per module) finds its layer from the call count every time."""
+    if context.kv_cache.spec.by_call:
+        return LayerCall(_layer_of(module, context), _chunk_size(module, _layer_of(module, context)),
+                         _has_temperature(module))
+    found = context.layer_calls.get(id(module))
+    if found is None or found[0] is not module:
+        layer = _layer_of(module, context)
+        found = context.layer_calls[id(module)] = (module, LayerCall(layer, _chunk_size(module, layer),
+                                                                     _has_temperature(module)))
+    return found[1]
+
+
+def _has_temperature(module) -> bool:
+    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
 
 
 def _layer_of(module, context: PagedForwardContext) -> int:
@@ -151,7 +185,7 @@ def _llama4_temperature(module, query: torch.Tensor, metadata) -> torch.Tensor:
     """llama4's NoPE layers scale queries by 1 + attn_scale * log1p(floor((pos + 1) / floor_scale)) with pos taken
     as the row index of the (cache-less, packed) forward; redo it with each row's true position in its sequence.
     The identity (returns `query` itself) for every other module; below floor_scale every factor is exactly 1."""
-    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+    if not _has_temperature(module):
         return query
     positions = sequence_positions(metadata)
     rows = torch.arange(query.shape[2], device=query.device)
@@ -164,7 +198,9 @@ def _llama4_temperature(module, query: torch.Tensor, metadata) -> torch.Tensor:
 
 
 def paged_mask(*args, **kwargs):
-    """Paged attention derives causality from the metadata: transformers must build no mask."""
+    """The mask function of the shape recorder: no mask. The paged attention itself registers no mask function, so
+    transformers' mask builders return None at once (an attention implementation without a mask function is one that
+    "needs no mask"): causality comes from the metadata, and a packed step's position ids are not read."""
     return None
 
 
@@ -244,97 +280,23 @@ class ModulePatches:
         return self.context
 
 
-def _heads_first(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[1, T, H * D] or [1, T, H, D] -> [1, H, T, D]."""
-    return x.reshape(x.shape[0], x.shape[1], num_heads, -1).transpose(1, 2)
-
-
-def bloom_attention(module, owner: ModulePatches):
-    """BloomAttention.forward on the paged cache: fused QKV per head, ALiBi slopes (times the module's beta) added to
-    scaled scores, then the dense projection and the residual as the module does it."""
-    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes, dropout_add
-
-    if module.pretraining_tp > 1 and module.slow_but_exact:
-        raise UnsupportedAttention("model type 'bloom': slow_but_exact tensor-parallel attention is not supported")
-
-    def forward(hidden_states, residual, alibi=None, attention_mask=None, layer_past=None, use_cache=False,
-                output_attentions=False, **kwargs):
-        batch, length, _ = hidden_states.shape
-        fused = module.query_key_value(hidden_states).view(batch, length, module.num_heads, 3, module.head_dim)
-        q, k, v = (fused[..., i, :].transpose(1, 2) for i in range(3))
-        slopes = _get_alibi_slopes(module.num_heads, hidden_states.device) * module.beta
-        out = attend_paged(module, q, k, v, owner.require_context(module), module.inv_norm_factor,
-                           extras=LayerExtras(alibi_slopes=slopes))
-        output = module.dense(out.reshape(batch, length, -1))
-        return dropout_add(output, residual, module.hidden_dropout, module.training), None
-
-    return forward
-
-
-def mpt_attention(module, owner: ModulePatches):
-    """MptAttention.forward on the paged cache: clipped fused QKV, ALiBi slopes read off the bias the model passes
-    (slope * (k - last)), then the output projection."""
-    def forward(hidden_states, position_bias=None, cache=None, attention_mask=None, **kwargs):
-        mixed = module.Wqkv(hidden_states)
-        if module.clip_qkv:
-            mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
-        q, k, v = (_heads_first(x, module.n_heads) for x in mixed.chunk(3, dim=2))
-        slopes = None if position_bias is None else (position_bias[:, 0, -1] - position_bias[:, 0, -2]).float()
-        out = attend_paged(module, q, k, v, owner.require_context(module), module.softmax_scale,
-                           extras=LayerExtras(alibi_slopes=slopes))
-        return module.out_proj(out.reshape(hidden_states.shape[0], hidden_states.shape[1], -1)), None
-
-    return forward
-
-
-def gpt_neo_attention(module, owner: ModulePatches):
-    """GPTNeoSelfAttention.forward on the paged cache: unscaled scores, `config.window_size` on its local layers."""
-    window = module.config.window_size if module.attention_type == "local" else None
-
-    def forward(hidden_states, attention_mask=None, layer_past=None, use_cache=False, output_attentions=False,
-                **kwargs):
-        q, k, v = (_heads_first(proj(hidden_states), module.num_heads)
-                   for proj in (module.q_proj, module.k_proj, module.v_proj))
-        out = attend_paged(module, q, k, v, owner.require_context(module), 1.0, window, layer=module.layer_id)
-        out = module.out_proj(out.reshape(hidden_states.shape[0], hidden_states.shape[1], -1))
-        return module.resid_dropout(out), None
-
-    return forward
-
-
-def projected_attention(module, owner: ModulePatches):
-    """The bmm attention of xglm, mvp and trocr decoders (q_proj x scaling, k_proj, v_proj, out_proj), self-attention
-    only: a cross-attention or attention-prompt call is refused."""
-    def forward(hidden_states, key_value_states=None, cache=None, attention_mask=None, attn_prompt=None, **kwargs):
-        if key_value_states is not None or attn_prompt is not None:
-            raise UnsupportedAttention(f"model type {_model_type(module)!r}: cross-attention / attention prompts")
-        q, k, v = (_heads_first(proj(hidden_states), module.num_heads)
-                   for proj in (module.q_proj, module.k_proj, module.v_proj))
-        out = attend_paged(module, q, k, v, owner.require_context(module), module.scaling)
-        return module.out_proj(out.reshape(hidden_states.shape[0], hidden_states.shape[1], -1)), None
-
-    return forward
-
-
-SELF_ATTENDING = {"BloomAttention": bloom_attention, "MptAttention": mpt_attention,
-                  "GPTNeoSelfAttention": gpt_neo_attention, "GPTNeoFlashAttention2": gpt_neo_attention,
-                  "XGLMAttention": projected_attention, "MvpAttention": projected_attention,
-                  "TrOCRAttention": projected_attention}
-
-
-@contextmanager
 def paged_attention_active(configs: list):
     """The model's configs read the "paged" implementation for one forward, in this thread only (nothing is written
     to them: `switches.switched_attention`). `ModulePatches` among them are installed for the same duration."""
-    with attention_implementation(configs, ATTENTION_NAME):
-        yield
+    return attention_implementation(configs, ATTENTION_NAME)
 
 
-@contextmanager
 def attention_implementation(configs: list, name: str):
     """The configs' attention implementation is `name` inside, for this thread only; `ModulePatches` among
     `configs` are installed for the same duration (removed even on error). Raises `switches.HfPagedDisabled` after
     `hf_paged.disable()`."""
+    if not any(isinstance(c, ModulePatches) for c in configs):
+        return switched_attention(configs, name)
+    return _with_patches(configs, name)
+
+
+@contextmanager
+def _with_patches(configs: list, name: str):
     patches = [c for c in configs if isinstance(c, ModulePatches)]
     configs = [c for c in configs if not isinstance(c, ModulePatches)]
     with switched_attention(configs, name), ExitStack() as stack:
@@ -343,16 +305,10 @@ def attention_implementation(configs: list, name: str):
         yield
 
 
-def self_attending_modules(model: torch.nn.Module) -> list:
-    """[(module, factory)] for the model's attention modules that compute attention themselves and have a paged
-    forward here (SELF_ATTENDING)."""
-    return [(m, SELF_ATTENDING[type(m).__name__]) for m in model.modules() if type(m).__name__ in SELF_ATTENDING]
-
-
 def position_takers(model: torch.nn.Module) -> list:
     """Position-embedding modules (class name ending in "PositionalEmbedding") whose forward takes `position_ids`."""
     return [m for m in model.modules() if type(m).__name__.endswith("PositionalEmbedding")
-            and "position_ids" in inspect.signature(m.forward).parameters]
+            and "position_ids" in parameter_names(m.forward)]
 
 
 def keyword_takers(model: torch.nn.Module) -> list:
@@ -376,8 +332,7 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)  # no mask function: see paged_mask
     AttentionInterface.register(SHAPES_NAME, record_kv_shapes)
     AttentionMaskInterface.register(SHAPES_NAME, paged_mask)
 

@@ -237,7 +237,8 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
     Returns (sliding window, attention chunk) of each attention layer (layer -> pair, None: not limited that way)."""
     dtype = next(model.parameters()).dtype
     # the verdict depends on the mode too: dropout in training mode makes no two forwards agree
-    key = (backends.name, str(dtype), str(spec.kv.device), _window_fields(model.config), model.training)
+    key = (backends.name, str(dtype), str(spec.kv.device), _window_fields(model.config), model.training,
+           spec.substituted)
     verdicts = model.__dict__.setdefault("_hf_paged_probe", {})
     windows = model.__dict__.setdefault("_hf_paged_window", {})
     if key in verdicts:

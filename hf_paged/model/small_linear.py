@@ -274,12 +274,40 @@ class SmallBatchLinears:
             function = _small_batch_linear
         self.forwards = [types.MethodType(function, m) for m in self.modules]
         self.ids = frozenset(id(m) for m in self.modules)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head = head if any(m is head for m in self.modules) else None
+        self.plain_steps: set = set()  # (rows, head rows, threads) of steps whose every product is F.linear
+
+    def plain(self, rows: int, head_rows: int) -> bool:
+        """Whether a forward of `rows` tokens whose LM head sees `head_rows` of them would run F.linear in every
+        linear layer (so the forwards need not be swapped in): measured mode, and every layer's choice for its row
+        bucket is made and is F.linear (a layer whose choice is not made yet keeps the swap: its first call probes).
+        Assumes each non-head layer sees all `rows` (a layer that sees fewer, e.g. an expert of a mixture, may take
+        F.linear where its own bucket chose another product: the same sum in another order, never a wrong one)."""
+        if self.mode != "auto" or not self.modules:
+            return not self.modules
+        threads = torch.get_num_threads()
+        key = (rows, head_rows, threads)
+        if key in self.plain_steps:
+            return True
+        kernel = load_small_gemm() is not None
+        fast = TABLE.fast
+        for module in self.modules:
+            m = head_rows if module is self.head else rows
+            if 0 < m <= KERNEL_MAX_ROWS:
+                weight = module.weight
+                if fast.get((weight.shape, weight.dtype, BUCKET_OF[m], threads, kernel)) \
+                        is not torch.nn.functional.linear:
+                    return False
+        self.plain_steps.add(key)
+        return True
 
     @contextmanager
-    def active(self):
+    def active(self, rows: int | None = None, head_rows: int | None = None):
         """Swap the forwards in for one forward pass. Each call then picks its product by its own row count: in a
-        prefill step the layers see thousands of rows (F.linear) while the LM head sees only the sampled ones."""
-        if not self.modules:
+        prefill step the layers see thousands of rows (F.linear) while the LM head sees only the sampled ones. With
+        the step's `rows` and `head_rows` given, a step whose products are all F.linear (`plain`) swaps nothing."""
+        if not self.modules or (rows is not None and self.plain(rows, head_rows if head_rows is not None else rows)):
             yield
             return
         # a module that carries a forward of its own (accelerate's offloading hooks, a user's wrapper) keeps it

@@ -1,7 +1,6 @@
 """What the engine needs to know about a transformers model, and whether it can serve it at all."""
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -9,9 +8,10 @@ import torch
 from ..kv import KVCacheSpec
 from .forward_lock import forward_lock
 from .kv_shapes import layer_shapes, number_calls
-from .paged_forward import (SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers,
-                            self_attending_modules)
+from .paged_forward import SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers
 from .relative_attention import relative_attention_modules
+from .self_attending import self_attending_modules
+from .signatures import parameter_names
 from .state_continuation import continuation_modes
 from .state_fast import fast_paths
 from .own_state import own_state_modules
@@ -37,19 +37,21 @@ class ModelSpec:
     # state layers (linear attention, Mamba, short convolutions): {name of a module holding state: its layer} (a
     # layer may have several: `state_modules.find_state_modules`); {} for none
     state_layers: dict = None
+    # state modules running a faster forward of hf_paged's (model/state_fast.py) instead of their own
+    substituted: bool = False
 
     @property
     def has_state(self) -> bool:
         return bool(self.state_layers)
 
 
-def describe_model(model: torch.nn.Module) -> ModelSpec:
+def describe_model(model: torch.nn.Module, substitutes: bool = True) -> ModelSpec:
     """Refuse what the config already shows cannot be paged (encoder-decoder, layers other than full, sliding or
     chunked attention), and read the KV shapes from what the attention modules produce (`module_kv_shape`). Whether
     the model's attention really goes through transformers' AttentionInterface (or a paged forward of its own
     attention modules, `ModulePatches`), with those shapes and nothing the paged function ignores, is decided by
     what it does: `probe.check_paged_matches_model` runs it once. Raises ValueError naming the model type and the
-    reason."""
+    reason. `substitutes=False`: every state module runs its own forward (no `state_fast` substitutes)."""
     require_enabled()  # after hf_paged.disable(): HfPagedDisabled, saying how to re-enable
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "generation_config"):
@@ -86,11 +88,12 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
     if state:  # {module name: its layer}: a layer may have several state modules, each patched on its own
         modules = {name: model.get_submodule(name) for name in state}
         modes = continuation_modes(model, state)  # how each module must run a continuation of several tokens
-        fast = fast_paths(model, state)  # faster forwards where they agree with the module's own and win here
+        # faster forwards where they agree with the module's own and win here
+        fast = fast_paths(model, state) if substitutes else dict.fromkeys(state)
         configs = configs + [ModulePatches(model, [
             (module, state_forward(state[name], cache_keyword(own_forward(module)), modes[name], fast[name]))
             for name, module in modules.items()], [])]
-    forward_params = inspect.signature(model.forward).parameters
+    forward_params = parameter_names(model.forward)
     return ModelSpec(
         kv=KVCacheSpec(num_layers, num_kv_heads, head_dim, param.dtype, param.device,
                        attention_layers=attention if state or by_call else None,
@@ -101,6 +104,7 @@ def describe_model(model: torch.nn.Module) -> ModelSpec:
         configs=configs,
         interface_layers=len(attention),
         state_layers=state,
+        substituted=bool(state) and any(forward is not None for forward in fast.values()),
     )
 
 

@@ -42,7 +42,7 @@ class AttentionBackend:
         if not self.prefill and metadata.max_query_len != 1:
             return (f"the {self.name} backend serves decode-only steps (max_query_len == 1); this step has prefills "
                     f"(max_query_len={metadata.max_query_len})")
-        if not self.decode and metadata.num_decode_groups:
+        if not self.decode and metadata.num_decode_tiles:
             return f"the {self.name} backend serves no decode rows; this step has some"
         if key_cache.element_size() == 1 and not self.fp8:
             return (f"the {self.name} backend does not read scaled fp8 caches ({key_cache.dtype}); "
@@ -103,7 +103,7 @@ class CallKind(NamedTuple):
         return cls(query.device, query.dtype, key_cache.dtype, query.shape[1], query.shape[-1], key_cache.shape[2],
                    key_cache.shape[1], key_cache.device, query.stride(-1) == 1 and key_cache.stride(-1) == 1,
                    key_cache.is_contiguous(),
-                   metadata.max_query_len != 1, metadata.num_decode_groups > 0, bool(sliding_window), bool(softcap))
+                   metadata.max_query_len != 1, metadata.num_decode_tiles > 0, bool(sliding_window), bool(softcap))
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""What the soak test (benchmarks/soak.py) draws: random requests and the pressured engine a round runs them on; and
+"""What the soak test (soak.py) draws: random requests and the pressured engine a round runs them on; and
 how a drawn request must end (`check_tokens`)."""
 from __future__ import annotations
 

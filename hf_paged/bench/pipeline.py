@@ -1,8 +1,8 @@
 """`pipeline("text-generation")`: HF's own batch-by-batch run vs hf_paged's one engine run, same outputs.
 
-    python benchmarks/pipeline.py                    # 48 prompts, batch_size=4, 32 new tokens each
-    python benchmarks/pipeline.py --json pipeline.json
-    python benchmarks/pipeline.py --small            # smoke run: 8 prompts, 8 new tokens, no verdict
+    python -m hf_paged.bench.pipeline                    # 48 prompts, batch_size=4, 32 new tokens each
+    python -m hf_paged.bench.pipeline --json pipeline.json
+    python -m hf_paged.bench.pipeline --small            # smoke run: 8 prompts, 8 new tokens, no verdict
 
 Workload: a random-weight Llama built from a config (4 layers, hidden 256, 4 heads, 2 KV heads, vocab 256, fp32,
 output head sharpened so greedy choices have clear margins), hf_paged.tiny's character-level tokenizer (built in
@@ -20,10 +20,8 @@ import random
 import string
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_info, set_threads, write_json  # noqa: E402
+from .common import machine_info, set_threads, write_json
 
 TARGET = 1.5
 
@@ -59,11 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     threads = set_threads(args.threads)
 
     import hf_paged  # noqa: F401  (patches the pipeline)
-    from hf_paged.tiny import tiny_model, tiny_tokenizer
-    from transformers import pipeline
+    from hf_paged.tiny import text_generation_pipeline, tiny_model, tiny_tokenizer
 
     model = tiny_model("llama", hidden=256, layers=4, heads=4, kv_heads=2, vocab_size=256, max_len=512)
-    pipe = pipeline("text-generation", model=model, tokenizer=tiny_tokenizer(256), batch_size=args.batch_size)
+    pipe = text_generation_pipeline(model, tiny_tokenizer(256), batch_size=args.batch_size)
     prompts = make_prompts(args.prompts, 8, 120)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     hf_s, hf_out = timed(pipe, prompts, args.repeats, **common)

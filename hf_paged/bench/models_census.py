@@ -1,16 +1,17 @@
 """The model census: every causal-LM architecture transformers registers, built tiny, run greedy with and without
 hf_paged.
 
-    python benchmarks/models.py                       # all; writes docs/models.md and benchmarks/results/models.json
-    python benchmarks/models.py --only llama gpt2     # a few
-    python benchmarks/models.py --json out.json --markdown out.md   # the table of just these results
+    python -m hf_paged.bench.models_census                       # all (in a source checkout: writes docs/models.md
+                                                                 # and benchmarks/results/models.json)
+    python -m hf_paged.bench.models_census --only llama gpt2     # a few
+    python -m hf_paged.bench.models_census --json out.json --markdown out.md   # the table of just these results
 
 For each model type in transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES: its config class with only the sizes it
 declares shrunk (hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, vocab 512, 256 positions), random
 weights (seed 0), eval mode; a stack with layer types other than attention (linear-attention / state-space / conv
 layers) or whose first 2 layers miss one of its layer types (sliding layers with a full one every k-th, ...) with the
 fewest N >= 4 layers whose pattern (its config class's own, for N layers) holds every layer type of its full-size
-default (benchmarks/census_layers.py; each result records its "layers" and "layer_types"); a left-padded batch of
+default (census_layers.py; each result records its "layers" and "layer_types"); a left-padded batch of
 two prompts (7 and 4 tokens), 8 new tokens, greedy, through HF `generate` and through
 `generate(cache_implementation="paged")`. Outcomes:
   exact           paged tokens equal HF's
@@ -29,15 +30,16 @@ HF's, padding included), plus:
   refused         PagedCache raised ValueError: a layer type it cannot hold (indexed / compressed sparse attention)
                   is refused when the cache is built (the reason is listed)
   HF rejects      HF's generate fails with a passed cache of the model's layer types: with
-                  `DynamicCache(config=model.config)` passed the same way it fails too (the PagedCache's error listed),
+                  `dynamic_cache(config=model.config)` passed the same way it fails too (the PagedCache's error listed),
                   or the model's code leaves a passed cache unused (a passed DynamicCache stays empty too)
   WRONG / CRASH   as above; CRASH also when generate fails on the PagedCache but not on a passed DynamicCache
 A model that is not buildable or whose HF generate fails has that outcome in both columns.
 Each model runs in its own subprocess (a crash or a hang costs only that model; --timeout seconds each; one killed
 before its result counts by the phase it had reached: only a death while hf_paged ran is a CRASH; the PagedCache check
 runs before the engine's, so a death in it is re-run without it for the engine's column).
-    python benchmarks/models.py --only blt --update   # re-run a few into the last results; the table is rewritten
-                                                      # when those results cover every type
+    python -m hf_paged.bench.models_census --only blt --update   # re-run a few into the last results; the table is
+                                                                 # rewritten when those results cover every type
+Outside a source checkout the defaults are hf-paged-bench-models.json and .md in the current folder.
 """
 from __future__ import annotations
 
@@ -49,9 +51,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import census_layers  # noqa: E402  (the layer count and pattern per model type)
+from . import census_layers  # the layer count and pattern per model type
+from .common import default_json, worker_env
+
+ROOT = Path(__file__).resolve().parents[2]  # the source checkout this runs from, if it is one
+CHECKOUT = (ROOT / "benchmarks" / "results").is_dir() and (ROOT / "docs").is_dir()
 
 SIZES = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2,
          "num_attention_heads": 4, "n_head": 4, "attention_heads": 4, "num_key_value_heads": 2,
@@ -79,20 +83,20 @@ TRIES = 3  # layer counts tried for a stack that cannot be built with the fewest
 
 
 def model_types() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from hf_paged.tiny import causal_lm_types
 
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    return causal_lm_types()
 
 
 def tiny(model_type: str):
     """The model type built tiny (see the module doc): with the first layer count of `census_layers.plans` it can
     be built with (of the first TRIES)."""
     import torch
-    import transformers as tf
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from hf_paged.tiny import config_of, model_from_config
 
     def build(layers: int, pattern):
-        config = CONFIG_MAPPING[model_type](**census_layers.REPRESENTATIVE.get(model_type, {}))
+        config = config_of(model_type, **census_layers.REPRESENTATIVE.get(model_type, {}))
         text = config.get_text_config(decoder=True)
         shrink(config, layers)
         if text is not config:
@@ -105,9 +109,9 @@ def tiny(model_type: str):
                 if getattr(holder, name, None) is not None:
                     setattr(holder, name, {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name])
         torch.manual_seed(0)
-        return tf.AutoModelForCausalLM.from_config(config).eval()
+        return model_from_config(config)
 
-    full = CONFIG_MAPPING[model_type](**census_layers.REPRESENTATIVE.get(model_type, {}))
+    full = config_of(model_type, **census_layers.REPRESENTATIVE.get(model_type, {}))
     first = None
     for layers, pattern in itertools.islice(census_layers.plans(full.get_text_config(decoder=True)), TRIES):
         try:
@@ -197,7 +201,7 @@ def check_paged_cache(model, ids, options, ref) -> dict:
     import traceback
 
     import hf_paged
-    from transformers import DynamicCache
+    from hf_paged.tiny import dynamic_cache
 
     try:
         cache = hf_paged.PagedCache(model.config)
@@ -210,7 +214,7 @@ def check_paged_cache(model, ids, options, ref) -> dict:
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {e}"
         try:
-            model.generate(ids, cache=DynamicCache(config=model.config), **options)
+            model.generate(ids, cache=dynamic_cache(config=model.config), **options)
         except Exception:  # noqa: BLE001
             return {"outcome": "HF rejects", "reason": error[:300]}
         where = traceback.extract_tb(e.__traceback__)[-1]
@@ -221,7 +225,7 @@ def check_paged_cache(model, ids, options, ref) -> dict:
                                               f"DynamicCache works)"[:300]}
     result = compare(out, ref, ids.shape[1])
     if cache.get_seq_length() == 0:  # not used: by HF's design when a passed DynamicCache stays empty too
-        control = DynamicCache(config=model.config)
+        control = dynamic_cache(config=model.config)
         model.generate(ids, cache=control, **options)
         if control.get_seq_length() == 0:
             return {"outcome": "HF rejects", "reason": f"the model's code does not use a passed cache (left empty; "
@@ -267,7 +271,7 @@ def same_as_hf_alone(model, ids, mask, got, options) -> bool:
 
 
 def markdown(results: dict[str, dict]) -> str:
-    import transformers
+    from hf_paged.tiny import transformers_version
 
     def totals(outcomes) -> str:
         counts: dict[str, int] = {}
@@ -277,11 +281,11 @@ def markdown(results: dict[str, dict]) -> str:
 
     cache = {name: r.get("paged_cache", {"outcome": "not run"}) for name, r in results.items()}
     lines = ["# Models", "",
-             f"Every causal-LM type of transformers {transformers.__version__}, built tiny from its own config class "
+             f"Every causal-LM type of transformers {transformers_version()}, built tiny from its own config class "
              "and run greedy on a left-padded batch of two with HF `generate` and with "
              "`generate(cache_implementation=\"paged\")`. The PagedCache column runs HF's own `generate` loop on a "
              "passed `hf_paged.PagedCache` (`generate(..., cache=PagedCache(model.config))`) and compares it token for "
-             "token with HF's `generate` on its DynamicCache. Made by `python benchmarks/models.py` (see its docstring "
+             "token with HF's `generate` on its DynamicCache. Made by `python -m hf_paged.bench.models_census` (see its docstring "
              "for the method and the outcomes).", "",
              f"Totals: paged engine: {totals(r['outcome'] for r in results.values())}; "
              f"PagedCache: {totals(r['outcome'] for r in cache.values())}", "",
@@ -305,7 +309,7 @@ def families(results: dict[str, dict], totals) -> list[str]:
         groups.setdefault(", ".join(kinds) or "(no layer pattern)", []).append(name)
     lines = ["", "## By layer types", "",
              "Each model type is built with 2 layers, or with the fewest N >= 4 that hold every layer type of its "
-             "full-size config's pattern (benchmarks/census_layers.py); the number after each name is its N.", "",
+             "full-size config's pattern (hf_paged/bench/census_layers.py); the number after each name is its N.", "",
              "| layer types | model types (layers) | paged engine | PagedCache |", "|---|---|---|---|"]
     for kinds, names in sorted(groups.items(), key=lambda item: (-len(item[1]), item[0])):
         members = ", ".join(f"{n} ({results[n]['layers']})" if "layers" in results[n] else n for n in sorted(names))
@@ -327,9 +331,10 @@ def run_worker(name: str, timeout: float, cache_check: bool = True) -> dict:
     """Run one model type in its own process; a crash or hang costs only that one. Killed or timed out before
     its result, it is classified by the phase it had reached (a crash only when hf_paged was running); one that
     died in the PagedCache check is run again without it for the engine's outcome."""
-    command = [sys.executable, __file__, "--worker", name] + ([] if cache_check else ["--no-cache-check"])
+    command = [sys.executable, "-m", "hf_paged.bench.models_census", "--worker", name]
+    command += [] if cache_check else ["--no-cache-check"]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=worker_env())
         stdout, why = proc.stdout, f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
     except subprocess.TimeoutExpired as e:
         stdout, why = e.stdout or "", f"timed out after {timeout:.0f} s"
@@ -348,19 +353,20 @@ def run_worker(name: str, timeout: float, cache_check: bool = True) -> dict:
     return {**parts, **result}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", help="model types to run (default: all)")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "models.json"),
-                        help="where the results go (JSON)")
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "models.json") if CHECKOUT
+                        else default_json("models"), help="where the results go (JSON; default: %(default)s)")
     parser.add_argument("--update", action="store_true",
                         help="merge into the results already in --json (the table is written once they cover all)")
     parser.add_argument("--markdown", help="the table (markdown), written for the results at hand (default: "
-                                           "docs/models.md, written once the results cover every type)")
+                                           "docs/models.md in a source checkout, else the JSON's path ending .md; "
+                                           "written once the results cover every type)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per model")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--no-cache-check", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         result = run_one(args.worker, lambda name: print(json.dumps({"phase": name}), flush=True),
                          cache_check=not args.no_cache_check,
@@ -378,7 +384,8 @@ def main() -> int:
     if args.markdown:
         Path(args.markdown).write_text(markdown(results))
     elif set(model_types()) <= set(results):  # a complete census
-        (ROOT / "docs" / "models.md").write_text(markdown({n: results[n] for n in model_types()}))
+        table = ROOT / "docs" / "models.md" if CHECKOUT else Path(args.json).with_suffix(".md")
+        table.write_text(markdown({n: results[n] for n in model_types()}))
     bad = [n for n, r in results.items() if r["outcome"] in ("WRONG", "CRASH")]
     bad_cache = [n for n, r in results.items() if r.get("paged_cache", {}).get("outcome") in ("WRONG", "CRASH")]
     print(f"{len(results)} model types; silently wrong or crashed: {bad or 'none'}; "

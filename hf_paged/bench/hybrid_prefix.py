@@ -2,31 +2,31 @@
 prefix, with and without prefix caching. The hits restore the state layers' state from checkpoints (every 16th
 block); reported: prefill tokens computed, wall time, and whether both runs give the same tokens.
 
-    python benchmarks/hybrid_prefix.py [--json out.json]
+    python -m hf_paged.bench.hybrid_prefix [--json out.json]
 """
+from __future__ import annotations
+
 import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's hf_paged, installed or not
-
-import torch  # noqa: E402
-
-import hf_paged  # noqa: E402
-from hf_paged.bench.common import machine_info  # noqa: E402
-from hf_paged.tiny import tiny_hybrid  # noqa: E402
+from .common import machine_info, write_json
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prefix", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    import torch
+
+    import hf_paged
+    from hf_paged.tiny import tiny_hybrid
+
     torch.set_num_threads(args.threads)
     model = tiny_hybrid("qwen3_5_text", hidden=args.hidden, layers=4, vocab_size=1024,
                         max_position_embeddings=args.prefix + 256)
@@ -53,7 +53,7 @@ def main() -> int:
               **{name: {k: v for k, v in run.items() if k != "tokens"} for name, run in runs.items()}}
     print(json.dumps(result, indent=2))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        write_json(args.json, result)
     return 0 if result["same_tokens"] else 1
 
 

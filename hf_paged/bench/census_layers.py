@@ -1,4 +1,4 @@
-"""How many layers the model census (benchmarks/models.py) builds each model type with, and the layer pattern.
+"""How many layers the model census (models_census.py) builds each model type with, and the layer pattern.
 
 A transformer of attention layers only is built with 2 layers when its first 2 layers hold every layer type of its
 full-size default config (all of a plain one; gemma2's sliding / full alternation). A stack with other layer types

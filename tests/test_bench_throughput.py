@@ -1,0 +1,146 @@
+"""bench/throughput.py beyond tests/test_bench.py's smoke runs: the setups and prompts, which systems run by default,
+one worker's measurement on a tiny model, the report's arithmetic (tok/s, speed-ups, same tokens, the matmul limit)
+from stand-in worker results, a failed system, and the few-row linear table it prints."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import hf_paged
+from hf_paged.bench import throughput
+
+TINY = dict(model=dict(vocab_size=300, hidden=32, layers=1, heads=2, kv_heads=1, max_len=512, intermediate_size=64),
+            prompt_len=(4, 12), requests=[3], max_tokens=4)
+
+
+def test_workload():
+    assert throughput.workload("llama", True) is throughput.SMALL
+    assert throughput.workload("llama", False) is throughput.FULL
+    full, small = throughput.HYBRID_SETUPS["qwen3_5_text"]
+    assert throughput.workload("qwen3_5_text", False) is full and throughput.workload("qwen3_5_text", True) is small
+    assert small["model"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_prompts():
+    prompts = throughput.make_prompts(40, 50, 2, 6)
+    assert prompts == throughput.make_prompts(40, 50, 2, 6) and prompts != throughput.make_prompts(40, 50, 2, 6, 1)
+    assert all(2 <= len(p) <= 6 and all(3 <= t < 50 for t in p) for p in prompts)
+
+
+@pytest.mark.parametrize("argv, systems, requests, max_tokens", [
+    (["--small"], ["hf_paged", "hf_padded", "hf_generate_batch_sized"], [4, 8], 8),
+    ([], ["hf_paged", "hf_padded", "hf_generate_batch"], [16, 64], 64),
+    (["--arch", "qwen3_5_text", "--small"], ["hf_paged", "hf_padded"], [4, 8], 8),
+    (["--systems", "hf_padded", "--requests", "5", "--max-tokens", "2"], ["hf_padded"], [5], 2),
+])
+def test_defaults(monkeypatch, argv, systems, requests, max_tokens):
+    seen = []
+    monkeypatch.setattr(throughput, "worker", lambda args, setup: seen.append(args))
+    assert throughput.main([*argv, "--worker", "all"]) == 0
+    (args,) = seen
+    assert args.systems == systems and args.requests == requests and args.max_tokens == max_tokens
+
+
+@pytest.fixture
+def restore():
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    hf_paged.enable()
+
+
+def test_measure_on_a_tiny_model(restore):
+    args = SimpleNamespace(arch="llama", dtype="float32", max_tokens=4)
+    paged = throughput.measure("hf_paged", 3, args, TINY, 1)
+    padded = throughput.measure("hf_padded", 3, args, TINY, 1)
+    for r in (paged, padded):
+        assert r["requests"] == 3 and r["output_tokens"] == 12 and [len(t) for t in r["tokens"]] == [4] * 3
+        assert r["seconds"] > 0 and r["peak_rss_mb"] > 0 and r["threads"] == 1
+        p = r["params"]
+        assert p["embedding"] == p["lm_head"] == 300 * 32
+        assert p["non_embedding"] == p["total"] - p["embedding"] - p["lm_head"] > 0
+    assert paged["tokens"] == padded["tokens"]
+    assert "small_linears" in paged and "small_linears" not in padded
+    assert set(paged["small_linears"]) == {"status", "choices"}
+
+
+def worker_result(system, n, seconds, tokens, cpu=None):
+    return {"system": system, "requests": n, "seconds": seconds, "cpu_seconds": cpu or seconds, "threads": 2,
+            "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": 100.0, "tokens": tokens,
+            "params": {"total": 1000, "embedding": 100, "lm_head": 100, "non_embedding": 800}}
+
+
+def test_report_arithmetic(monkeypatch, tmp_path, capsys):
+    """Stand-in workers at 2 requests x 3 tokens: hf_paged 1 s, hf_padded 2 s (one row differs), generate_batch
+    fails. tok/s = 6 / seconds; the matmul limit: 2 x non-embedding x (prompt + output) + 2 x lm_head x output
+    FLOPs at 1 GFLOP/s."""
+    calls = []
+
+    def run_worker(argv, timeout=None):
+        worker = argv[argv.index("--worker") + 1]
+        calls.append(worker)
+        if worker == "matmul":
+            return {"gflops": 1.0, "threads": 2}
+        if worker == "hf_generate_batch":
+            raise RuntimeError("no such method")
+        n = int(argv[argv.index("--requests") + 1])
+        rows = [[5, 6, 7], [8, 9, 10]] if worker == "hf_paged" else [[5, 6, 7], [8, 9, 11]]
+        return worker_result(worker, n, 1.0 if worker == "hf_paged" else 2.0, rows, cpu=0.5 if worker == "hf_paged"
+                             else 2.0)
+
+    monkeypatch.setattr(throughput, "run_worker", run_worker)
+    out = tmp_path / "t.json"
+    assert throughput.main(["--requests", "2", "--max-tokens", "3", "--json", str(out)]) == 1  # a system failed
+    assert calls == ["matmul", "hf_paged", "hf_padded", "hf_generate_batch"]
+    report = json.loads(out.read_text())
+    paged, padded, failed = report["results"]
+    assert failed == {"system": "hf_generate_batch", "requests": 2, "error": "no such method"}
+    prompt_tokens = sum(len(p) for p in throughput.make_prompts(2, 32000, 16, 200))
+    assert paged["prompt_tokens"] == padded["prompt_tokens"] == prompt_tokens
+    assert paged["tok_per_s"] == 6.0 and padded["tok_per_s"] == 3.0 and paged["complete"] is True
+    assert paged["vs_hf_padded"] == 2.0 and padded["vs_hf_padded"] == 1.0 and paged["vs_hf_padded_cpu"] == 4.0
+    assert paged["vs_hf_generate_batch"] is None
+    assert paged["same_as_hf_padded"] == 1 and padded["same_as_hf_padded"] == 2
+    flops = 2 * 800 * (prompt_tokens + 6) + 2 * 100 * 6
+    limit = 6 / (flops / 1e9)
+    assert report["matmul_limit_tok_per_s"] == {"2": pytest.approx(limit)}
+    assert paged["matmul_limit_fraction"] == pytest.approx(6.0 / limit)
+    assert "tokens" not in paged and report["threads"] == 2 and report["matmul_gflops"] == 1.0
+    printed = capsys.readouterr().out
+    assert "hf_generate_batch         2 requests: FAILED" in printed and "1/2" in printed
+
+
+def test_incomplete_outputs_are_marked(monkeypatch, tmp_path):
+    def run_worker(argv, timeout=None):
+        worker = argv[argv.index("--worker") + 1]
+        if worker == "matmul":
+            return {"gflops": 1.0, "threads": 1}
+        return worker_result(worker, 1, 1.0, [[5]])  # 1 token where 3 were asked
+
+    monkeypatch.setattr(throughput, "run_worker", run_worker)
+    out = tmp_path / "t.json"
+    assert throughput.main(["--requests", "1", "--max-tokens", "3", "--systems", "hf_paged", "--json", str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["complete"] is False and r["vs_hf_padded"] is None and r["same_as_hf_padded"] is None
+
+
+def choice(shape, rows, path):
+    return {"shape": shape, "rows": rows, "threads": 1, "path": path, "probe_ms": 0.5,
+            "us": {"kernel": 1.0, "w_xt": 2.0, "f_linear": 3.0}}
+
+
+def test_small_linear_paths_and_table(capsys):
+    r = {"requests": 4, "small_linears": {"status": "native kernel, W @ x^T or F.linear; chosen: ...",
+                                          "choices": [choice([64, 32], 4, "kernel"), choice([300, 32], 1, "w_xt")]}}
+    assert throughput._linear_paths(r) == {"64x32 rows<=4 threads=1": "kernel", "300x32 rows<=1 threads=1": "w_xt"}
+    assert throughput._linear_paths({}) == {}
+    r["round_small_linear_paths"] = [throughput._linear_paths(r), {"64x32 rows<=4 threads=1": "f_linear"}]
+    throughput.print_small_linears([r, {"requests": 8}])
+    out = capsys.readouterr().out
+    assert "4 requests (fastest round; rounds chose differently): native kernel, W @ x^T or F.linear\n" in out
+    assert "chosen: ..." not in out and "64x32" in out and "300x32" in out and "8 requests" not in out
+    r["round_small_linear_paths"] = r["round_small_linear_paths"][:1] * 2
+    throughput.print_small_linears([r])
+    assert "all rounds chose alike" in capsys.readouterr().out

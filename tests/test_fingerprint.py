@@ -36,3 +36,39 @@ def test_a_tensor_put_into_a_private_dict_is_seen(model):
     proj = model.model.layers[0].self_attn.q_proj
     proj._parameters["weight"] = torch.nn.Parameter(proj.weight.detach() * 2)
     assert weights_fingerprint(model) != before
+
+
+class StandInLora(torch.nn.Module):
+    """A PEFT adapter layer as the fingerprint sees one: `_active_adapter` and the adapter tensors under
+    `adapter_layer_names` (PEFT's LoraLayer lists lora_A / lora_B / lora_embedding_* / lora_magnitude_vector)."""
+
+    adapter_layer_names = ("lora_A", "lora_B")
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 8):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(base.in_features, rank, bias=False)})
+        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(rank, base.out_features, bias=False)})
+        self._active_adapter = "default"
+
+
+@pytest.mark.parametrize("end", ["first", "last"])
+def test_writes_through_data_to_adapter_tensors_are_seen(model, end):
+    """PEFT's hotswap_adapter copies through `.data` (no version bump, same storage): the adapter tensors' first and
+    last entries are compared by value; rewriting the same values keeps the fingerprint; after `.data = ...` (new
+    storage) the new storage is the one read."""
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj = StandInLora(mlp.down_proj)
+    weight = mlp.down_proj.lora_B["default"].weight
+    before = weights_fingerprint(model)
+    weight.data.copy_(weight.detach().clone())
+    assert weights_fingerprint(model) == before  # the same values: K/V still valid
+    entry = 0 if end == "first" else -1
+    weight.data.view(-1)[entry] += 1.0
+    changed = weights_fingerprint(model)
+    assert changed != before
+    weight.data = weight.data.clone()  # new storage (seen by its address)
+    moved = weights_fingerprint(model)
+    assert moved != changed and weights_fingerprint(model) == moved
+    weight.data.view(-1)[entry] -= 1.0  # into the new storage
+    assert weights_fingerprint(model) != moved

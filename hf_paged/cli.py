@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 from hf_paged_cli import CliError
 from hf_paged_cli.output_file import check_output, lines_done, write_line
+from hf_paged_cli.serve_help import serve_help
 
 TINY = "tiny"
 BENCHMARKS = {  # name: what it measures (the modules are hf_paged.bench.NAME)
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options (--small, --json, --plot...)")
     p.set_defaults(func=bench)
     sub.add_parser("serve", add_help=False, help="an OpenAI-compatible server: transformers serve with continuous "
-                   "batching on hf_paged (main() hands it its options; hf-paged serve --help lists them)")
+                   "batching on hf_paged (main() hands it its options; hf-paged serve --help-all lists them)")
     return parser
 
 
@@ -378,7 +379,9 @@ def serve(options: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    serving = argv[:1] == ["serve"]  # its options are transformers serve's, parsed there (--help included)
+    serving = argv[:1] == ["serve"]  # its options are transformers serve's, parsed there (--help-all included)
+    if serving and serve_help(argv):
+        return 0
     args = argparse.Namespace(command="serve", func=lambda _: serve(argv[1:])) if serving else \
         build_parser().parse_args(argv)
     try:

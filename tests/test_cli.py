@@ -50,6 +50,20 @@ def test_bench_help_loads_no_torch(name):
     assert "HEAVY []" in proc.stdout, "bench --help imported torch / transformers / hf_paged"
 
 
+def test_serve_help_answers_at_once_and_help_all_reaches_transformers():
+    """transformers serve's own help loads transformers (seconds): `hf-paged serve --help` prints hf_paged's short help
+    without it; `--help-all` is handed to transformers as --help."""
+    from hf_paged_cli.serve_help import serve_help
+
+    proc, _ = front("serve", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: hf-paged serve" in proc.stdout and "--help-all" in proc.stdout and "tiny" in proc.stdout
+    assert "HEAVY []" in proc.stdout, "serve --help imported torch / transformers / hf_paged"
+    options = ["serve", "tiny", "--help-all"]
+    assert serve_help(options) is False and options == ["serve", "tiny", "--help"]
+    assert serve_help(["serve", "tiny", "--port", "8000"]) is False
+
+
 def test_demo_runs_and_matches_hf(capsys, one_torch_thread):
     assert main(["demo", "--requests", "6", "--max-tokens", "6"]) == 0
     out = capsys.readouterr().out

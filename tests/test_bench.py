@@ -55,7 +55,8 @@ def test_throughput_plot(tmp_path):
 def test_throughput_rounds_keep_the_fastest_and_pair_rounds():
     """--repeats: each system reports its fastest round; speed-ups are paired round by round; a failed round or
     rounds that disagree on tokens are not hidden behind a fast one."""
-    from hf_paged.bench.throughput import _best_of, _paired_ratios
+    from hf_paged.bench.throughput import _best_of
+    from hf_paged.bench.throughput_report import _paired_ratios
 
     def run(system, seconds, tokens=((1, 2),)):
         return {"system": system, "requests": 1, "seconds": seconds, "peak_rss_mb": seconds * 100,
@@ -117,7 +118,7 @@ def test_throughput_hybrid_smoke(tmp_path, monkeypatch):
 
 def test_throughput_cpu_seconds_pair_rounds():
     """Speed-ups in worker CPU seconds are paired round by round, for hf_paged over hf_padded only."""
-    from hf_paged.bench.throughput import _paired_cpu_ratios
+    from hf_paged.bench.throughput_report import _paired_cpu_ratios
 
     paged = {"system": "hf_paged", "requests": 1, "round_cpu_seconds": [2.0, 4.0]}
     padded = {"system": "hf_padded", "requests": 1, "round_cpu_seconds": [4.0, 4.0]}

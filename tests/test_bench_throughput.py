@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 import hf_paged
-from hf_paged.bench import throughput
+from hf_paged.bench import throughput, throughput_report
 
 TINY = dict(model=dict(vocab_size=300, hidden=32, layers=1, heads=2, kv_heads=1, max_len=512, intermediate_size=64),
             prompt_len=(4, 12), requests=[3], max_tokens=4)
@@ -134,13 +134,13 @@ def choice(shape, rows, path):
 def test_small_linear_paths_and_table(capsys):
     r = {"requests": 4, "small_linears": {"status": "native kernel, W @ x^T or F.linear; chosen: ...",
                                           "choices": [choice([64, 32], 4, "kernel"), choice([300, 32], 1, "w_xt")]}}
-    assert throughput._linear_paths(r) == {"64x32 rows<=4 threads=1": "kernel", "300x32 rows<=1 threads=1": "w_xt"}
-    assert throughput._linear_paths({}) == {}
-    r["round_small_linear_paths"] = [throughput._linear_paths(r), {"64x32 rows<=4 threads=1": "f_linear"}]
-    throughput.print_small_linears([r, {"requests": 8}])
+    assert throughput_report._linear_paths(r) == {"64x32 rows<=4 threads=1": "kernel", "300x32 rows<=1 threads=1": "w_xt"}
+    assert throughput_report._linear_paths({}) == {}
+    r["round_small_linear_paths"] = [throughput_report._linear_paths(r), {"64x32 rows<=4 threads=1": "f_linear"}]
+    throughput_report.print_small_linears([r, {"requests": 8}])
     out = capsys.readouterr().out
     assert "4 requests (fastest round; rounds chose differently): native kernel, W @ x^T or F.linear\n" in out
     assert "chosen: ..." not in out and "64x32" in out and "300x32" in out and "8 requests" not in out
     r["round_small_linear_paths"] = r["round_small_linear_paths"][:1] * 2
-    throughput.print_small_linears([r])
+    throughput_report.print_small_linears([r])
     assert "all rounds chose alike" in capsys.readouterr().out

@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
 import time
-from pathlib import Path
 
-from .common import (add_common_args, emit_result, format_table, machine_info, machine_load, matmul_gflops,
+from .common import (add_common_args, emit_result, machine_info, machine_load, matmul_gflops,
                      peak_rss_mb, plot_path, run_worker, set_threads, write_json)
 from .throughput_plot import plot
+from .throughput_report import _linear_paths, print_report, summarise
 
 SYSTEMS = ("hf_paged", "hf_padded", "hf_generate_batch")
 EXTRA = ("hf_generate_batch_sized",)  # opt-in: generate_batch with num_blocks sized to the workload
@@ -233,50 +232,7 @@ def _best_of(system: str, n: int, measured: list[dict]) -> dict:
     return best
 
 
-def _linear_paths(result: dict) -> dict[str, str]:
-    """A worker's small-linear choices as {"out x in rows<=b threads=t": path}."""
-    return {f"{c['shape'][0]}x{c['shape'][1]} rows<={c['rows']} threads={c['threads']}": c["path"]
-            for c in result.get("small_linears", {}).get("choices", [])}
-
-
-def print_small_linears(results: list[dict]) -> None:
-    """The few-row linear products hf_paged's workers measured and chose (model/linear_choice.py), per weight shape
-    and row bucket: each candidate's best time in us, and whether every round chose alike."""
-    for r in results:
-        if not r.get("small_linears"):
-            continue
-        rounds = r.get("round_small_linear_paths", [])
-        same = all(paths == rounds[0] for paths in rounds)
-        status = r["small_linears"]["status"].split("; chosen:")[0]  # the choices: the table below
-        print(f"\nsmall linears in hf_paged's worker, {r['requests']} requests (fastest round; "
-              f"{'all rounds chose alike' if same else 'rounds chose differently'}): {status}")
-        rows = [[f"{c['shape'][0]}x{c['shape'][1]}", c["rows"], c["threads"], c["path"],
-                 *(c["us"].get(name) for name in ("kernel", "w_xt", "f_linear")), c["probe_ms"]]
-                for c in r["small_linears"]["choices"]]
-        if rows:
-            print(format_table(["weight", "rows <=", "threads", "chosen", "kernel us", "W @ x^T us", "F.linear us",
-                                "probe ms"], rows))
-
-
-def _paired_ratios(results: list[dict], n: int, system: str, base: str) -> list[float] | None:
-    """Per-round speed-up of `system` over `base` (each round ran both back to back), or None."""
-    group = {r["system"]: r for r in results if r["requests"] == n and "round_seconds" in r}
-    if system not in group or base not in group:
-        return None
-    return [b / a for a, b in zip(group[system]["round_seconds"], group[base]["round_seconds"])]
-
-
-def _paired_cpu_ratios(results: list[dict], r: dict) -> list[float] | None:
-    """hf_paged's per-round speed-up over hf_padded in worker CPU seconds (`r` is hf_paged's result), or None."""
-    padded = next((x for x in results if x["system"] == "hf_padded" and x["requests"] == r["requests"]), {})
-    if r["system"] != "hf_paged" or None in (*r.get("round_cpu_seconds", [None]),
-                                             *padded.get("round_cpu_seconds", [None])):
-        return None
-    return [b / a for a, b in zip(r["round_cpu_seconds"], padded["round_cpu_seconds"])]
-
-
-# --- parent side ---------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="hf-paged bench throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, nargs="+", default=None, help="request counts (default 16 64)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
@@ -301,67 +257,22 @@ def main(argv: list[str] | None = None) -> int:
             ["hf_paged", "hf_padded", "hf_generate_batch_sized"] if args.small else list(SYSTEMS)
     args.requests = args.requests or setup["requests"]
     args.max_tokens = args.max_tokens or setup["max_tokens"]
+    return args, setup
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, setup = parse_args(argv)
     if args.worker:
         worker(args, setup)
         return 0
-
-    common_args = ["--max-tokens", str(args.max_tokens), "--arch", args.arch, "--dtype", args.dtype] \
-        + (["--small"] if args.small else []) \
-        + (["--threads", str(args.threads)] if args.threads else [])
     load_before = machine_load()
-    if args.small:  # a smoke run: one process per round for everything (imports dominate such tiny runs)
-        matmul, results = _small_rounds(args, common_args)
-    else:
-        matmul = run_worker(["-m", MODULE, "--worker", "matmul", *common_args], timeout=args.timeout)
-        results = []
-        for n in args.requests:
-            runs = {system: [] for system in args.systems}
-            for round_index in range(args.repeats):  # rounds interleave the systems: slow spells hit all of them
-                for system in args.systems:
-                    runs[system].append(_measure(system, n, common_args, args.timeout, round_index, args.repeats))
-            results.extend(_best_of(system, n, measured) for system, measured in runs.items())
-
+    matmul, results = collect(args)
     print(f"{args.dtype} matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads",
           flush=True)
     params = next((r["params"] for r in results if "params" in r), None)
-    limits, rows = {}, []
     vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]
-    for n in args.requests:
-        prompt_tokens = sum(len(p) for p in make_prompts(n, vocab, low, high))
-        output_tokens = n * args.max_tokens
-        flops = 2 * params["non_embedding"] * (prompt_tokens + output_tokens) + 2 * params["lm_head"] * output_tokens \
-            if params else None
-        limits[n] = output_tokens / (flops / (matmul["gflops"] * 1e9)) if flops else None
-        group = {r["system"]: r for r in results if r["requests"] == n and "error" not in r}
-        reference = group.get("hf_padded", {}).get("tokens")
-        for r in group.values():
-            r["prompt_tokens"], r["tok_per_s"] = prompt_tokens, output_tokens / r["seconds"]
-        for r in (r for r in results if r["requests"] == n):
-            if "error" in r:
-                rows.append([r["system"], n, "failed", None, None, None, None, None, None, None, None])
-                continue
-            r["complete"] = r["output_tokens"] == output_tokens
-            r["vs_hf_padded"] = r["tok_per_s"] / group["hf_padded"]["tok_per_s"] if "hf_padded" in group else None
-            # CPU seconds of the worker process: less sensitive than wall time to other work on the machine
-            r["vs_hf_padded_cpu"] = group["hf_padded"]["cpu_seconds"] / r["cpu_seconds"] \
-                if "hf_padded" in group and r.get("cpu_seconds") else None
-            base = group.get("hf_generate_batch")
-            r["vs_hf_generate_batch"] = r["tok_per_s"] / base["tok_per_s"] if base else None
-            r["matmul_limit_fraction"] = r["tok_per_s"] / limits[n] if limits[n] else None
-            for base in ("hf_padded", "hf_generate_batch"):
-                if r["system"] != base and (paired := _paired_ratios(results, n, r["system"], base)):
-                    r[f"vs_{base}_per_round"] = paired
-            if (cpu := _paired_cpu_ratios(results, r)) is not None:
-                r["vs_hf_padded_cpu_per_round"] = cpu
-            r["same_as_hf_padded"] = sum(a == b for a, b in zip(r["tokens"], reference)) if reference else None
-            pct = r["matmul_limit_fraction"]
-            same = f"{r['same_as_hf_padded']}/{n}" if reference and r["system"] != "hf_padded" else None
-            rows.append([r["system"], n, r["seconds"], r.get("cpu_seconds"), r["tok_per_s"], r["peak_rss_mb"],
-                         r["vs_hf_padded"], r["vs_hf_padded_cpu"], r["vs_hf_generate_batch"],
-                         None if pct is None else f"{100 * pct:.1f}%", same])
-    for r in results:
-        r.pop("tokens", None)
-
+    prompt_tokens = {n: sum(len(p) for p in make_prompts(n, vocab, low, high)) for n in args.requests}
+    limits, rows = summarise(args, prompt_tokens, matmul["gflops"], params, results)
     report = {"benchmark": "throughput", "arch": args.arch, "small": args.small, "model": setup["model"],
               "dtype": args.dtype, "prompt_len": list(setup["prompt_len"]), "seed": SEED, "max_tokens": args.max_tokens,
               "requests": args.requests, "systems": args.systems, "threads": matmul["threads"],
@@ -369,29 +280,29 @@ def main(argv: list[str] | None = None) -> int:
               "machine": machine_info(), "load_average": {"before": load_before, "after": machine_load()},
               "results": results}
     path = write_json(args.json, report)
-    if params:
-        print(f"\nmodel: {params['total'] / 1e6:.1f} M params ({params['non_embedding'] / 1e6:.1f} M non-embedding), "
-              f"{args.max_tokens} new tokens/request; matmul-limit output tok/s: "
-              + ", ".join(f"{n} req {v:.0f}" for n, v in limits.items() if v))
-    print(f"results written to {path}")
-    print(f"CPU: {report['machine'].get('cpu_model', report['machine']['processor'])}, {report['threads']} torch "
-          f"threads; load average (1/5/15 min) before {load_before}, after {report['load_average']['after']}\n")
-    print(format_table(["system", "requests", "seconds", "CPU s", "out tok/s", "peak RSS MB", "x HF padded",
-                        "x padded CPU s", "x HF gen_batch", "of matmul limit", "same tokens as padded"], rows))
-    if args.repeats > 1:
-        print(f"\nseconds are each system's fastest of {args.repeats} interleaved rounds; speed-ups round by round:")
-        for r in results:
-            for base in ("hf_padded", "hf_generate_batch"):
-                if (paired := r.get(f"vs_{base}_per_round")) and r["system"] == "hf_paged":
-                    print(f"  hf_paged x {base:<17} {r['requests']:>3} requests: "
-                          + " ".join(f"{v:.2f}" for v in paired) + f"  (median {statistics.median(paired):.2f})")
-            if cpu := r.get("vs_hf_padded_cpu_per_round"):
-                print(f"  hf_paged x hf_padded, CPU s {r['requests']:>3} requests: "
-                      + " ".join(f"{v:.2f}" for v in cpu) + f"  (median {statistics.median(cpu):.2f})")
-    print_small_linears(results)
+    print_report(args, report, rows, path)
     if (png := plot_path(args, path)) is not None:
         plot(png, report)
     return 0 if all("error" not in r for r in results) else 1
+
+
+def collect(args) -> tuple[dict, list[dict]]:
+    """(the matmul measurement, every system's result at every request count): each in a worker of its own, the
+    systems interleaved round by round (a slow spell hits all of them), each system's fastest round kept."""
+    common_args = ["--max-tokens", str(args.max_tokens), "--arch", args.arch, "--dtype", args.dtype] \
+        + (["--small"] if args.small else []) \
+        + (["--threads", str(args.threads)] if args.threads else [])
+    if args.small:  # a smoke run: one process per round for everything (imports dominate such tiny runs)
+        return _small_rounds(args, common_args)
+    matmul = run_worker(["-m", MODULE, "--worker", "matmul", *common_args], timeout=args.timeout)
+    results = []
+    for n in args.requests:
+        runs = {system: [] for system in args.systems}
+        for round_index in range(args.repeats):
+            for system in args.systems:
+                runs[system].append(_measure(system, n, common_args, args.timeout, round_index, args.repeats))
+        results.extend(_best_of(system, n, measured) for system, measured in runs.items())
+    return matmul, results
 
 
 if __name__ == "__main__":

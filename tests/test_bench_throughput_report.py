@@ -1,0 +1,24 @@
+"""bench/throughput_report.py: the figures derived from the workers' results (speed-ups, share of the matmul limit,
+same tokens) and the table's rows."""
+from types import SimpleNamespace
+
+from hf_paged.bench.throughput_report import summarise
+
+
+def test_speed_ups_limit_share_and_same_tokens():
+    args = SimpleNamespace(requests=[2], max_tokens=4)
+    params = {"non_embedding": 1000, "lm_head": 500, "total": 2000}
+    results = [
+        {"system": "hf_paged", "requests": 2, "seconds": 2.0, "cpu_seconds": 2.0, "output_tokens": 8,
+         "peak_rss_mb": 10.0, "tokens": [[1, 2, 3, 4], [5, 6, 7, 9]]},
+        {"system": "hf_padded", "requests": 2, "seconds": 4.0, "cpu_seconds": 6.0, "output_tokens": 8,
+         "peak_rss_mb": 12.0, "tokens": [[1, 2, 3, 4], [5, 6, 7, 8]]},
+    ]
+    limits, rows = summarise(args, {2: 12}, gflops=1e-3, params=params, results=results)
+    paged, padded = results
+    flops = 2 * 1000 * (12 + 8) + 2 * 500 * 8
+    assert abs(limits[2] - 8 / (flops / 1e6)) < 1e-9
+    assert paged["tok_per_s"] == 4.0 and paged["vs_hf_padded"] == 2.0 and paged["vs_hf_padded_cpu"] == 3.0
+    assert abs(paged["matmul_limit_fraction"] - 4.0 / limits[2]) < 1e-12
+    assert paged["same_as_hf_padded"] == 1 and paged["complete"] and "tokens" not in paged and "tokens" not in padded
+    assert rows[0][0] == "hf_paged" and rows[0][-1] == "1/2" and rows[1][-1] is None and rows[0][6] == 2.0

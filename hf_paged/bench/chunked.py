@@ -197,7 +197,7 @@ def plot(path: Path, report: dict) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="hf-paged bench chunked", description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=int, default=None,
                         help="max_num_batched_tokens with chunking (default 64; small 128)")
@@ -213,15 +213,41 @@ def main(argv: list[str] | None = None) -> int:
     args.decode_tokens = args.decode_tokens or setup["decode_tokens"]
     if args.decode_tokens < args.settle + 2:
         parser.error("--decode-tokens must exceed --settle + 1, or the decoders finish before the long prompt arrives")
+    return args, setup
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, setup = parse_args(argv)
     if args.worker:
         worker(args, setup)
         return 0
+    print(f"{setup['decoders']} decoders ({setup['decoder_prompt']} prompt tokens, {args.decode_tokens} new), then "
+          f"one {setup['long_prompt']}-token prompt ({setup['long_tokens']} new)", flush=True)
+    modes, ok = run_modes(args)
+    rows = table_rows(modes)
+    report = {"benchmark": "chunked", "small": args.small, "model": setup["model"], "dtype": "float32", "seed": SEED,
+              "decoders": setup["decoders"], "decoder_prompt": list(setup["decoder_prompt"]),
+              "decode_tokens": args.decode_tokens, "long_prompt": setup["long_prompt"],
+              "long_tokens": setup["long_tokens"], "settle": args.settle, "repeats": args.repeats,
+              "target": {"p99_over_median_chunked": 2.0}, "machine": machine_info(), "modes": modes}
+    path = write_json(args.json, report)
+    print(f"\nresults written to {path}\n")
+    print(format_table(["mode", "step budget", "ITL median ms", "ITL p99 ms", "ITL max ms", "p99/median",
+                        "max ITL in window ms", "steps in window", "long TTFT s", "total s"], rows))
+    if "chunked" in modes and "itl" in modes["chunked"]:
+        ratio = modes["chunked"]["itl"]["p99_over_median"]
+        verdict = "" if args.small else f" -> {'meets' if ratio <= 2 else 'misses'} the target (<= 2)"
+        print(f"chunked: p99/median = {ratio:.2f}{verdict}")  # a smoke run's sizes say nothing about the target
+    if args.plot is not None:
+        plot(Path(args.plot) if args.plot else path.with_suffix(".png"), report)
+    return 0 if ok else 1
 
+
+def run_modes(args) -> tuple[dict[str, dict], bool]:
+    """`--repeats` runs of every mode, each in a worker of its own: ({mode: its runs and settings}, all ran)."""
     common_args = ["--budget", str(args.budget), "--decode-tokens", str(args.decode_tokens), "--settle",
                    str(args.settle)] + (["--small"] if args.small else []) + \
         (["--threads", str(args.threads)] if args.threads else [])
-    print(f"{setup['decoders']} decoders ({setup['decoder_prompt']} prompt tokens, {args.decode_tokens} new), then "
-          f"one {setup['long_prompt']}-token prompt ({setup['long_tokens']} new)", flush=True)
     modes: dict[str, dict] = {}
     ok = True
     for rep in range(args.repeats):
@@ -241,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
             entry = modes.setdefault(mode, {"runs": []})
             entry.update({k: v for k, v in r.items() if k != "runs"})
             entry["runs"].extend(r["runs"])
+    return modes, ok
 
+
+def table_rows(modes: dict[str, dict]) -> list[list]:
+    """Each mode's summary (`summarise`, in place) as a row of the table; warnings for runs that measured nothing."""
     rows = []
     for mode, entry in modes.items():
         if not entry["runs"]:
@@ -259,23 +289,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{entry['prefix_cache_hit_tokens']} prefix-cache hit tokens, "
                   f"{entry['runs_where_decoders_finished_before_long_first_token']} run(s) where the decoders finished "
                   f"before the long prompt's first token (raise --decode-tokens)")
-
-    report = {"benchmark": "chunked", "small": args.small, "model": setup["model"], "dtype": "float32", "seed": SEED,
-              "decoders": setup["decoders"], "decoder_prompt": list(setup["decoder_prompt"]),
-              "decode_tokens": args.decode_tokens, "long_prompt": setup["long_prompt"],
-              "long_tokens": setup["long_tokens"], "settle": args.settle, "repeats": args.repeats,
-              "target": {"p99_over_median_chunked": 2.0}, "machine": machine_info(), "modes": modes}
-    path = write_json(args.json, report)
-    print(f"\nresults written to {path}\n")
-    print(format_table(["mode", "step budget", "ITL median ms", "ITL p99 ms", "ITL max ms", "p99/median",
-                        "max ITL in window ms", "steps in window", "long TTFT s", "total s"], rows))
-    if "chunked" in modes and "itl" in modes["chunked"]:
-        ratio = modes["chunked"]["itl"]["p99_over_median"]
-        verdict = "" if args.small else f" -> {'meets' if ratio <= 2 else 'misses'} the target (<= 2)"
-        print(f"chunked: p99/median = {ratio:.2f}{verdict}")  # a smoke run's sizes say nothing about the target
-    if args.plot is not None:
-        plot(Path(args.plot) if args.plot else path.with_suffix(".png"), report)
-    return 0 if ok else 1
+    return rows
 
 
 if __name__ == "__main__":

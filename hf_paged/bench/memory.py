@@ -235,7 +235,7 @@ def plot(path: Path, report: dict) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="hf-paged bench memory", description=__doc__.split("\n")[0])
     parser.add_argument("--budget-mb", type=float, default=None, help="KV byte budget in MiB (default 64; small 1)")
     parser.add_argument("--requests", type=int, default=None, help="requests in the workload (default 160; small 48)")
@@ -248,10 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     setup = SMALL if args.small else FULL
     args.requests = args.requests or setup["requests"]
     args.budget_mb = args.budget_mb or setup["budget_mb"]
+    return args, setup
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, setup = parse_args(argv)
     if args.worker:
         worker(args, setup)
         return 0
-
     budget = int(args.budget_mb * MiB)
     bpt = bytes_per_token(setup["model"])
     common_args = ["--requests", str(args.requests), "--budget-mb", repr(args.budget_mb)] + \
@@ -260,57 +264,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.requests} requests, prompts {setup['prompt_len']}, generations {setup['gen_len']}", flush=True)
     runs, rows, ok = {}, [], True
     for dist in args.dists:
-        prompts, gens = make_workload(setup, args.requests, dist)
-        lens = [len(p) for p in prompts]
-        hf = hf_padded_analysis(lens, gens, setup["max_new_tokens"], bpt, budget)
-        entry = {"mean_prompt_len": sum(lens) / len(lens), "mean_gen_len": sum(gens) / len(gens), "hf_padded": hf}
-        if hf["concurrent_seqs"] and not args.no_measure_hf:
-            try:
-                m = run_worker(["-m", MODULE, "--worker", "hf_padded", "--dist", dist, "--batch",
-                                *map(str, hf["worst_batch"]), *common_args], timeout=args.timeout)
-                hf["measured"] = m
-                if m.get("measured"):
-                    hf["measured_matches_formula"] = m["cache_bytes"] == hf["predicted_cache_bytes"]
-                    print(f"  [{dist}] HF generate, batch {m['batch']} (prompt <= {m['max_prompt']}, "
-                          f"{m['max_gen']} new): DynamicCache {m['cache_bytes'] / MiB:.2f} MiB, formula "
-                          f"{hf['predicted_cache_bytes'] / MiB:.2f} MiB, reservation "
-                          f"{hf['reserved_bytes'] / MiB:.2f} MiB ({m['seconds']:.1f} s)", flush=True)
-                else:
-                    print(f"  [{dist}] HF cache not measurable: {m.get('reason')}", flush=True)
-            except Exception as exc:  # noqa: BLE001 - the analytical number still stands
-                hf["measured"] = {"measured": False, "reason": str(exc)}
-                print(f"  [{dist}] HF generate measurement FAILED\n{exc}", flush=True)
-        try:
-            r = run_worker(["-m", MODULE, "--worker", "hf_paged", "--dist", dist, *common_args], timeout=args.timeout)
-            r.update(summarise_paged(r))
-            print(f"  [{dist}] hf_paged: {r['steps']} steps in {r['seconds']:.1f} s, {r['num_blocks']} blocks, "
-                  f"{r['num_preemptions']} preemptions", flush=True)
-            if r["finished"] != args.requests or r["generated_tokens"] != r["expected_tokens"] or \
-                    r["block_accounting_mismatches"]:
-                print(f"  [{dist}] WARNING: finished {r['finished']}/{args.requests}, tokens "
-                      f"{r['generated_tokens']}/{r['expected_tokens']}, "
-                      f"block mismatches {r['block_accounting_mismatches']}")
-                ok = False
-        except Exception as exc:  # noqa: BLE001
-            r = {"error": str(exc)}
-            print(f"  [{dist}] hf_paged FAILED\n{exc}", flush=True)
-            ok = False
-        entry["hf_paged"] = r
-        if "error" not in r and hf["concurrent_seqs"]:
-            entry["ratio_peak"] = r["concurrent_seqs"] / hf["concurrent_seqs"]
-            entry["ratio_mean_saturated"] = (r["mean_concurrent_seqs_saturated"] or 0) / hf["concurrent_seqs"]
-        runs[dist] = entry
-        hf_bytes = hf.get("measured", {}).get("cache_bytes") or hf.get("reserved_bytes")
-        rows.append([f"hf_padded ({dist})", args.budget_mb, hf["concurrent_seqs"], None,
-                     hf.get("slot_utilisation_at_peak"), hf.get("slot_utilisation_mean"),
-                     None if hf_bytes is None else hf_bytes / MiB, None])
-        if "error" in r:
-            rows.append([f"hf_paged ({dist})", args.budget_mb, "failed", None, None, None, None, None])
-        else:
-            rows.append([f"hf_paged ({dist})", args.budget_mb, r["concurrent_seqs"],
-                         r["mean_concurrent_seqs_saturated"], r["slot_utilisation_at_peak"],
-                         r["slot_utilisation_mean"], r["kv_cache_bytes"] / MiB, entry.get("ratio_peak")])
-
+        entry, ok_here = run_dist(args, setup, dist, bpt, budget, common_args)
+        runs[dist], ok = entry, ok and ok_here
+        rows.extend(table_rows(dist, entry, args.budget_mb))
     report = {"benchmark": "memory", "small": args.small, "model": setup["model"], "dtype": "float32",
               "bytes_per_token": bpt, "budget_mb": args.budget_mb, "budget_bytes": budget,
               "block_size": setup["block_size"], "requests": args.requests, "prompt_len": list(setup["prompt_len"]),
@@ -318,7 +274,71 @@ def main(argv: list[str] | None = None) -> int:
               "targets": {"ratio": 3.0, "slot_utilisation": 0.95}, "machine": machine_info(), "runs": runs}
     path = write_json(args.json, report)
     print(f"\nresults written to {path}\n")
+    print_report(rows, runs, args.small)
+    if args.plot is not None:
+        plot(Path(args.plot) if args.plot else path.with_suffix(".png"), report)
+    return 0 if ok else 1
 
+
+def run_dist(args, setup: dict, dist: str, bpt: int, budget: int, common_args: list[str]) -> tuple[dict, bool]:
+    """One prompt-length spread: HF's padded cache (the formula, and measured in a worker unless --no-measure-hf)
+    and hf_paged's run; (its entry of the report, whether hf_paged finished everything with consistent blocks)."""
+    prompts, gens = make_workload(setup, args.requests, dist)
+    lens = [len(p) for p in prompts]
+    hf = hf_padded_analysis(lens, gens, setup["max_new_tokens"], bpt, budget)
+    entry = {"mean_prompt_len": sum(lens) / len(lens), "mean_gen_len": sum(gens) / len(gens), "hf_padded": hf}
+    if hf["concurrent_seqs"] and not args.no_measure_hf:
+        try:
+            m = run_worker(["-m", MODULE, "--worker", "hf_padded", "--dist", dist, "--batch",
+                            *map(str, hf["worst_batch"]), *common_args], timeout=args.timeout)
+            hf["measured"] = m
+            if m.get("measured"):
+                hf["measured_matches_formula"] = m["cache_bytes"] == hf["predicted_cache_bytes"]
+                print(f"  [{dist}] HF generate, batch {m['batch']} (prompt <= {m['max_prompt']}, "
+                      f"{m['max_gen']} new): DynamicCache {m['cache_bytes'] / MiB:.2f} MiB, formula "
+                      f"{hf['predicted_cache_bytes'] / MiB:.2f} MiB, reservation "
+                      f"{hf['reserved_bytes'] / MiB:.2f} MiB ({m['seconds']:.1f} s)", flush=True)
+            else:
+                print(f"  [{dist}] HF cache not measurable: {m.get('reason')}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - the analytical number still stands
+            hf["measured"] = {"measured": False, "reason": str(exc)}
+            print(f"  [{dist}] HF generate measurement FAILED\n{exc}", flush=True)
+    ok = True
+    try:
+        r = run_worker(["-m", MODULE, "--worker", "hf_paged", "--dist", dist, *common_args], timeout=args.timeout)
+        r.update(summarise_paged(r))
+        print(f"  [{dist}] hf_paged: {r['steps']} steps in {r['seconds']:.1f} s, {r['num_blocks']} blocks, "
+              f"{r['num_preemptions']} preemptions", flush=True)
+        if r["finished"] != args.requests or r["generated_tokens"] != r["expected_tokens"] or \
+                r["block_accounting_mismatches"]:
+            print(f"  [{dist}] WARNING: finished {r['finished']}/{args.requests}, tokens "
+                  f"{r['generated_tokens']}/{r['expected_tokens']}, "
+                  f"block mismatches {r['block_accounting_mismatches']}")
+            ok = False
+    except Exception as exc:  # noqa: BLE001
+        r = {"error": str(exc)}
+        print(f"  [{dist}] hf_paged FAILED\n{exc}", flush=True)
+        ok = False
+    entry["hf_paged"] = r
+    if "error" not in r and hf["concurrent_seqs"]:
+        entry["ratio_peak"] = r["concurrent_seqs"] / hf["concurrent_seqs"]
+        entry["ratio_mean_saturated"] = (r["mean_concurrent_seqs_saturated"] or 0) / hf["concurrent_seqs"]
+    return entry, ok
+
+
+def table_rows(dist: str, entry: dict, budget_mb: float) -> list[list]:
+    hf, r = entry["hf_padded"], entry["hf_paged"]
+    hf_bytes = hf.get("measured", {}).get("cache_bytes") or hf.get("reserved_bytes")
+    rows = [[f"hf_padded ({dist})", budget_mb, hf["concurrent_seqs"], None, hf.get("slot_utilisation_at_peak"),
+             hf.get("slot_utilisation_mean"), None if hf_bytes is None else hf_bytes / MiB, None]]
+    if "error" in r:
+        return rows + [[f"hf_paged ({dist})", budget_mb, "failed", None, None, None, None, None]]
+    return rows + [[f"hf_paged ({dist})", budget_mb, r["concurrent_seqs"], r["mean_concurrent_seqs_saturated"],
+                    r["slot_utilisation_at_peak"], r["slot_utilisation_mean"], r["kv_cache_bytes"] / MiB,
+                    entry.get("ratio_peak")]]
+
+
+def print_report(rows: list[list], runs: dict, small: bool) -> None:
     def pct(v):
         return None if v is None else f"{100 * v:.1f}%"
     for row in rows:
@@ -329,13 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         if "ratio_peak" in entry:
             p = entry["hf_paged"]
             meets = entry["ratio_peak"] >= 3 and p["slot_utilisation_at_peak"] >= 0.95
-            verdict = "" if args.small else f" -> {'meets' if meets else 'misses'} the targets (>= 3x, >= 95%)"
+            verdict = "" if small else f" -> {'meets' if meets else 'misses'} the targets (>= 3x, >= 95%)"
             print(f"{dist}: hf_paged holds {entry['ratio_peak']:.2f}x the sequences at peak "
                   f"({entry['ratio_mean_saturated']:.2f}x on average while memory-bound), "
                   f"{100 * p['slot_utilisation_at_peak']:.1f}% of slots real at peak{verdict}")
-    if args.plot is not None:
-        plot(Path(args.plot) if args.plot else path.with_suffix(".png"), report)
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

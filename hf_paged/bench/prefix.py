@@ -184,7 +184,7 @@ def plot(path: Path, report: dict) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="hf-paged bench prefix", description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=int, default=None,
                         help="max_num_batched_tokens (default 4096, the engine default; small 1024)")
@@ -195,17 +195,37 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     setup = SMALL if args.small else FULL
     args.budget = args.budget or setup["budget"]
+    return args, setup
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, setup = parse_args(argv)
     if args.worker:
         worker(args, setup)
         return 0
-
-    common_args = ["--budget", str(args.budget)] + (["--small"] if args.small else []) + \
-        (["--threads", str(args.threads)] if args.threads else [])
     print(f"{setup['requests']} requests: a shared {setup['system_prompt']}-token system prompt + "
           f"{setup['question'][0]}-{setup['question'][1]}-token questions, {setup['max_tokens']} new tokens each; "
           f"step budget {args.budget}", flush=True)
+    runs = run_all(args)
+    rows, notes = table_rows(runs)
+    ratios, same = compare(args, runs)
+    report = {"benchmark": "prefix", "small": args.small, "model": setup["model"], "dtype": "float32", "seed": SEED,
+              "requests": setup["requests"], "system_prompt": setup["system_prompt"],
+              "question": list(setup["question"]), "max_tokens": setup["max_tokens"], "block_size": BLOCK,
+              "max_num_batched_tokens": args.budget, "target": TARGET, "machine": machine_info(), "runs": runs}
+    path = write_json(args.json, report)
+    print(f"\nresults written to {path}\n")
+    print_report(rows, notes, ratios, same, setup["requests"], args.small)
+    if args.plot is not None:
+        plot(Path(args.plot) if args.plot else path.with_suffix(".png"), report)
+    return 0 if all("error" not in r for r in runs.values()) else 1
+
+
+def run_all(args) -> dict[str, dict]:
+    """Every scenario x mode in a worker of its own: {"scenario/mode": result (or {"error": ...})}."""
+    common_args = ["--budget", str(args.budget)] + (["--small"] if args.small else []) + \
+        (["--threads", str(args.threads)] if args.threads else [])
     runs: dict[str, dict] = {}
-    ok = True
     for sc in args.scenarios:
         for mode in args.modes:
             key = f"{sc}/{mode}"
@@ -214,14 +234,16 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # noqa: BLE001 - report and keep going with the others
                 print(f"  {key}: FAILED\n{exc}", flush=True)
                 runs[key] = {"mode": mode, "scenario": sc, "error": str(exc)}
-                ok = False
                 continue
             r["summary"] = summarise(r)
             runs[key] = r
             print(f"  {key:<15} total {r['total_s']:.2f} s, TTFT p50 {r['summary']['ttft_p50_ms']:.0f} ms "
                   f"(warm-up {r['warmup_seconds']:.1f} s)", flush=True)
+    return runs
 
-    rows, ratios, notes = [], [], []
+
+def table_rows(runs: dict[str, dict]) -> tuple[list, list[str]]:
+    rows, notes = [], []
     for key, r in runs.items():
         if "error" in r:
             rows.append([key, "failed"] + [None] * 10)
@@ -236,7 +258,13 @@ def main(argv: list[str] | None = None) -> int:
                          f"({s['preemptions']} preemptions)")
         if s["preemptions"]:
             notes.append(f"  WARNING {key}: {s['preemptions']} preemptions (the pool should fit everything)")
-    same = {}
+    return rows, notes
+
+
+def compare(args, runs: dict[str, dict]) -> tuple[list, dict[str, int]]:
+    """no_reuse / reuse per scenario (in place: each reuse run's `ratios`, both runs' same-token count; tokens
+    dropped): the ratio table's rows and the same-token counts."""
+    ratios, same = [], {}
     for sc in args.scenarios:
         a, b = runs.get(f"{sc}/reuse"), runs.get(f"{sc}/no_reuse")
         if not a or not b or "error" in a or "error" in b:
@@ -257,13 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         a["ratios"] = {"prefill_tokens": tok, "ttft_p50": ttft, "ttft_p90": p90, "total_time": speed}
     for r in runs.values():
         r.pop("tokens", None)
+    return ratios, same
 
-    report = {"benchmark": "prefix", "small": args.small, "model": setup["model"], "dtype": "float32", "seed": SEED,
-              "requests": setup["requests"], "system_prompt": setup["system_prompt"],
-              "question": list(setup["question"]), "max_tokens": setup["max_tokens"], "block_size": BLOCK,
-              "max_num_batched_tokens": args.budget, "target": TARGET, "machine": machine_info(), "runs": runs}
-    path = write_json(args.json, report)
-    print(f"\nresults written to {path}\n")
+
+def print_report(rows: list, notes: list[str], ratios: list, same: dict[str, int], requests: int, small: bool) -> None:
     print(format_table(["scenario/mode", "prompt tok", "prefill (batched-decode)", "prefill (prompt-hits)",
                         "hit tok", "reqs hit", "TTFT p50 ms", "TTFT p90 ms", "1st req TTFT ms", "steps",
                         "preempt", "total s"], rows))
@@ -273,14 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\nno_reuse / reuse (TTFT over all requests in burst, over all but the first request in warm):\n")
         headers = ["scenario", "prefill tokens x", ">= 10x", "TTFT p50 x", ">= 5x", "TTFT p90 x", "total time x",
                    "same tokens"]
-        print(format_table([h for h in headers if not (args.small and h.startswith(">="))], ratios))
+        print(format_table([h for h in headers if not (small and h.startswith(">="))], ratios))
     for sc, n in same.items():
-        if n != setup["requests"]:
-            print(f"  NOTE {sc}: only {n}/{setup['requests']} requests produced identical greedy tokens with and "
-                  f"without reuse")
-    if args.plot is not None:
-        plot(Path(args.plot) if args.plot else path.with_suffix(".png"), report)
-    return 0 if ok else 1
+        if n != requests:
+            print(f"  NOTE {sc}: only {n}/{requests} requests produced identical greedy tokens with and without reuse")
 
 
 if __name__ == "__main__":

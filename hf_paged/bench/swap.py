@@ -193,7 +193,7 @@ def plot(path: Path, report: dict) -> None:
     save_figure(fig, path)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(prog="hf-paged bench swap", description=__doc__.split("\n")[0])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--pool-fraction", type=float, default=0.5, help="pool size / the workload's peak need")
@@ -202,42 +202,67 @@ def main(argv: list[str] | None = None) -> int:
                         help="enable_prefix_caching=False (recompute then re-runs every dropped token)")
     add_common_args(parser, "swap", MODES, plot_help="running requests and tokens per step")
     args = parser.parse_args(argv)
-    setup = SMALL if args.small else FULL
     if not 0 < args.pool_fraction <= 1:
         parser.error("--pool-fraction must be in (0, 1]")
+    return args, SMALL if args.small else FULL
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, setup = parse_args(argv)
     if args.worker:
         worker(args, setup)
         return 0
-
-    common_args = ["--pool-fraction", str(args.pool_fraction), "--swap-factor", str(args.swap_factor)] + \
-        (["--no-prefix-caching"] if args.no_prefix_caching else []) + (["--small"] if args.small else []) + \
-        (["--threads", str(args.threads)] if args.threads else [])
     prompts = make_prompts(setup, setup["requests"])
     need = peak_blocks(prompts, setup["max_tokens"])
     prompt_tokens = sum(len(p) for p in prompts)
     ideal = prompt_tokens + setup["requests"] * (setup["max_tokens"] - 1)
-    output_tokens = setup["requests"] * setup["max_tokens"]
     print(f"{setup['requests']} requests, prompts {setup['prompt_len'][0]}-{setup['prompt_len'][1]} tokens "
           f"({prompt_tokens} in all), {setup['max_tokens']} new each; peak need {need} blocks of {BLOCK}, pool "
           f"{int(need * args.pool_fraction)} blocks ({args.pool_fraction:.0%}); ideal work {ideal} tokens",
           flush=True)
+    modes = run_modes(args)
+    done = {m: r for m, r in modes.items() if "error" not in r}
+    base_name = "reference" if "reference" in done else next(iter(done), None)
+    rows, notes = summarise(modes, base_name, setup, ideal)
+    costs_rows = swap_costs(done)
+    report = {"benchmark": "swap", "small": args.small, "model": setup["model"], "dtype": "float32", "seed": SEED,
+              "requests": setup["requests"], "prompt_len": list(setup["prompt_len"]),
+              "max_tokens": setup["max_tokens"], "block_size": BLOCK, "max_num_batched_tokens": BUDGET,
+              "prefix_caching": not args.no_prefix_caching, "peak_need_blocks": need,
+              "pool_fraction": args.pool_fraction, "swap_factor": args.swap_factor, "prompt_tokens": prompt_tokens,
+              "ideal_batched_tokens": ideal, "machine": machine_info(), "modes": modes}
+    path = write_json(args.json, report)
+    print_report(path, base_name, rows, notes, costs_rows, done)
+    if args.plot is not None:
+        plot(Path(args.plot) if args.plot else path.with_suffix(".png"), report)
+    return 0 if len(done) == len(modes) else 1
+
+
+def run_modes(args) -> dict[str, dict]:
+    """Each mode's worker result (or {"error": ...}: the other modes still run)."""
+    common_args = ["--pool-fraction", str(args.pool_fraction), "--swap-factor", str(args.swap_factor)] + \
+        (["--no-prefix-caching"] if args.no_prefix_caching else []) + (["--small"] if args.small else []) + \
+        (["--threads", str(args.threads)] if args.threads else [])
     modes: dict[str, dict] = {}
-    ok = True
     for mode in args.modes:
         try:
             r = run_worker(["-m", MODULE, "--worker", mode, *common_args], timeout=args.timeout)
         except Exception as exc:  # noqa: BLE001 - report and keep going with the other modes
             print(f"  {mode}: FAILED\n{exc}", flush=True)
             modes[mode] = {"error": str(exc)}
-            ok = False
             continue
         modes[mode] = r
         print(f"  {mode:<9} {r['seconds']:.2f} s, {r['stats']['num_preemptions']} preemptions "
               f"(warm-up {r['warmup_seconds']:.1f} s)", flush=True)
+    return modes
 
+
+def summarise(modes: dict[str, dict], base_name: str | None, setup: dict, ideal: int) -> tuple[list, list[str]]:
+    """Annotate each finished mode (tok/s, work over the ideal, tokens equal to `base_name`'s; tokens dropped) and
+    return the table's rows and the notes on differences."""
     done = {m: r for m, r in modes.items() if "error" not in r}
-    base_name = "reference" if "reference" in done else next(iter(done), None)
     base = done[base_name]["tokens"] if base_name else None
+    output_tokens = setup["requests"] * setup["max_tokens"]
     rows, notes = [], []
     for mode, r in modes.items():
         if mode not in done:
@@ -259,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
                      r["work_over_ideal"], s["num_steps"], s["num_preemptions"], s["num_swap_outs"],
                      s["num_swap_ins"], s["num_blocks_swapped"], s["num_recomputed_tokens"],
                      s["prefix_cache_hit_tokens"], f"{r['same_as_' + base_name]}/{setup['requests']}"])
+    for r in done.values():
+        r.pop("tokens", None)
+    return rows, notes
+
+
+def swap_costs(done: dict[str, dict]) -> list:
+    """Each finished mode's swap-vs-recompute break-even per copy bandwidth measured (`breakeven`, in place)."""
     costs_rows = []
     for mode, r in done.items():
         bpt = r["bytes_per_token"]
@@ -272,16 +304,10 @@ def main(argv: list[str] | None = None) -> int:
             r["breakeven"][label] = b
             costs_rows.append([mode, label, bw / 1e9, prefill, r["observed_prefill_tokens_per_s"],
                                1e6 * b["swap_s_per_token"], 1e6 * b["recompute_s_per_token"], b["swap_cheaper_x"]])
-    for r in done.values():
-        r.pop("tokens", None)
+    return costs_rows
 
-    report = {"benchmark": "swap", "small": args.small, "model": setup["model"], "dtype": "float32", "seed": SEED,
-              "requests": setup["requests"], "prompt_len": list(setup["prompt_len"]),
-              "max_tokens": setup["max_tokens"], "block_size": BLOCK, "max_num_batched_tokens": BUDGET,
-              "prefix_caching": not args.no_prefix_caching, "peak_need_blocks": need,
-              "pool_fraction": args.pool_fraction, "swap_factor": args.swap_factor, "prompt_tokens": prompt_tokens,
-              "ideal_batched_tokens": ideal, "machine": machine_info(), "modes": modes}
-    path = write_json(args.json, report)
+
+def print_report(path, base_name: str | None, rows: list, notes: list[str], costs_rows: list, done: dict) -> None:
     print(f"\nresults written to {path}\n")
     print(format_table(["mode", "pool blocks", "seconds", "out tok/s", "tokens run", "x ideal", "steps", "preempt",
                         "swap outs", "swap ins", "blocks swapped", "recomputed tok", "prefix hit tok",
@@ -294,9 +320,6 @@ def main(argv: list[str] | None = None) -> int:
               f"after the run, 'observed' = this run's steps of >= 64 tokens):\n")
         print(format_table(["mode", "copy bandwidth", "GB/s", "prefill est. tok/s", "observed tok/s",
                             "swap us/tok", "recompute us/tok", "swap cheaper x"], costs_rows))
-    if args.plot is not None:
-        plot(Path(args.plot) if args.plot else path.with_suffix(".png"), report)
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

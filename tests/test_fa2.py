@@ -36,7 +36,8 @@ def flash_attn(version="2.7.4", varlen=True):
 
 
 @pytest.mark.parametrize("version, parsed", [("2.7.4", (2, 7)), ("2.6.3.post1", (2, 6)), ("2.10.0", (2, 10)),
-                                             ("3.0.0b1", (3, 0)), ("dev", (0,))])
+                                             ("3.0.0b1", (3, 0)), ("dev", (0,)),
+                                             ("2.6+cu121", (2, 6)), ("2.5rc1", (2, 5))])
 def test_version_reads_major_and_minor_as_numbers(version, parsed):
     assert fa2._version(types.SimpleNamespace(__version__=version)) == parsed
     assert fa2._version(types.SimpleNamespace()) == (0,)  # no __version__ at all

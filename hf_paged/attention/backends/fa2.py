@@ -8,6 +8,8 @@ pages), so this backend needs `block_size=256` (or 512, ...); with the default 1
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -21,9 +23,11 @@ MIN_VERSION = (2, 6)
 
 
 def _version(module) -> tuple[int, ...]:
+    """(major, minor) of the module's __version__: the leading digits of each of its first two pieces ("2.6+cu121"
+    is (2, 6), "2.5rc1" (2, 5), not the digits run together)."""
     parts = []
     for piece in str(getattr(module, "__version__", "0")).split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
+        digits = re.match(r"\d*", piece).group()
         parts.append(int(digits or 0))
     return tuple(parts)
 

@@ -107,14 +107,13 @@ class LayerCall:
 def _layer_call(module, context: PagedForwardContext) -> LayerCall:
     """The module's LayerCall, found once per engine (`context.layer_calls`). A model whose K/V are stored by call
     (several calls per module) finds its layer from the call count every time."""
-    if context.kv_cache.spec.by_call:
-        return LayerCall(_layer_of(module, context), _chunk_size(module, _layer_of(module, context)),
-                         _has_temperature(module))
-    found = context.layer_calls.get(id(module))
+    by_call = context.kv_cache.spec.by_call
+    found = None if by_call else context.layer_calls.get(id(module))
     if found is None or found[0] is not module:
         layer = _layer_of(module, context)
-        found = context.layer_calls[id(module)] = (module, LayerCall(layer, _chunk_size(module, layer),
-                                                                     _has_temperature(module)))
+        found = (module, LayerCall(layer, _chunk_size(module, layer), _has_temperature(module)))
+        if not by_call:
+            context.layer_calls[id(module)] = found
     return found[1]
 
 

@@ -106,7 +106,8 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix: later requests compute their K/V anew. The engine notices by itself when the
         model's parameters, buffers or PEFT adapters change (see `hf_paged.model.fingerprint`); call this after
-        changes it cannot see (writes through `.data`, patched code)."""
+        changes it cannot see (writes through `.data`, patched code). Packed copies of bf16 weights
+        (`hf_paged.model.packed_linear`) are dropped too."""
         self.engine.reset_prefix_cache()
 
     def sleep(self) -> None:

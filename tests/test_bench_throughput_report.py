@@ -22,3 +22,20 @@ def test_speed_ups_limit_share_and_same_tokens():
     assert abs(paged["matmul_limit_fraction"] - 4.0 / limits[2]) < 1e-12
     assert paged["same_as_hf_padded"] == 1 and paged["complete"] and "tokens" not in paged and "tokens" not in padded
     assert rows[0][0] == "hf_paged" and rows[0][-1] == "1/2" and rows[1][-1] is None and rows[0][6] == 2.0
+
+
+def test_small_linear_table_shows_the_products_each_worker_measured(capsys):
+    """fp32 (kernel, W @ x^T, F.linear) and bf16 (packed, F.linear) choices: one column per product measured."""
+    from hf_paged.bench.throughput_report import print_small_linears
+
+    choices = [{"shape": [512, 512], "dtype": "float32", "rows": 4, "threads": 1, "path": "kernel",
+                "us": {"kernel": 10.0, "w_xt": 20.0, "f_linear": 30.0}, "probe_ms": 0.5},
+               {"shape": [32000, 512], "dtype": "bfloat16", "rows": 64, "threads": 1, "path": "packed",
+                "us": {"packed": 1400.0, "f_linear": 2500.0}, "probe_ms": 9.0}]
+    print_small_linears([{"requests": 4, "small_linears": {"status": "measured; chosen: ...", "choices": choices}}])
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("weight"))
+    assert header.split() == ["weight", "dtype", "rows", "<=", "threads", "chosen", "kernel", "us", "W", "@", "x^T",
+                              "us", "packed", "us", "F.linear", "us", "probe", "ms"]
+    row = next(line for line in lines if line.startswith("32000x512"))
+    assert row.split() == ["32000x512", "bfloat16", "64", "1", "packed", "-", "-", "1400.00", "2500.00", "9.00"]

@@ -72,3 +72,40 @@ def test_writes_through_data_to_adapter_tensors_are_seen(model, end):
     assert moved != changed and weights_fingerprint(model) == moved
     weight.data.view(-1)[entry] -= 1.0  # into the new storage
     assert weights_fingerprint(model) != moved
+
+
+def test_the_fingerprint_holds_no_weak_reference_to_a_tensor(model):
+    """`torch.utils.swap_tensors` (`model.to(...)` with set_swap_module_params_on_conversion) refuses weakly referenced
+    tensors: taking a fingerprint must not make a plain cast of the model fail; the cast changes the fingerprint."""
+    import weakref
+
+    before = weights_fingerprint(model)
+    assert not any(weakref.getweakrefs(t) for t in (*model.parameters(), *model.buffers()))
+    weight = model.model.embed_tokens.weight
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert model.model.embed_tokens.weight is weight and weight.dtype == torch.float64  # swapped in place
+    assert weights_fingerprint(model) != before
+
+
+def test_a_replacement_never_takes_a_freed_tensors_identity(model):
+    """A weight replaced and freed: its replacement may get the freed tensor's id and storage, never its fingerprint;
+    an unrelated registration keeps the fingerprint."""
+    layer = model.model.layers[0].mlp.up_proj
+    before = weights_fingerprint(model)
+    model.register_buffer("unrelated_marker", None)  # a registration: the model is listed again, same tensors
+    assert weights_fingerprint(model) == before
+    seen, reused = {}, 0  # (id, address) of each replacement -> the fingerprint with it
+    for _ in range(200):
+        shape, dtype = layer.weight.shape, layer.weight.dtype
+        layer.weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))  # the one before last is freed now
+        now = weights_fingerprint(model)
+        where = (id(layer.weight), layer.weight.data_ptr())
+        if where in seen:  # a freed tensor's id and storage taken over: a different fingerprint all the same
+            reused += 1
+            assert now != seen[where]
+        seen[where] = now
+    assert reused  # the allocator did hand a freed tensor's id and storage to a new one (else this tested nothing)

@@ -24,12 +24,17 @@ def print_small_linears(results: list[dict]) -> None:
         status = r["small_linears"]["status"].split("; chosen:")[0]  # the choices: the table below
         print(f"\nsmall linears in hf_paged's worker, {r['requests']} requests (fastest round; "
               f"{'all rounds chose alike' if same else 'rounds chose differently'}): {status}")
-        rows = [[f"{c['shape'][0]}x{c['shape'][1]}", c["rows"], c["threads"], c["path"],
-                 *(c["us"].get(name) for name in ("kernel", "w_xt", "f_linear")), c["probe_ms"]]
-                for c in r["small_linears"]["choices"]]
+        choices = r["small_linears"]["choices"]
+        names = [name for name in PRODUCT_LABELS if any(name in c["us"] for c in choices)]
+        rows = [[f"{c['shape'][0]}x{c['shape'][1]}", c.get("dtype", "float32"), c["rows"], c["threads"], c["path"],
+                 *(c["us"].get(name) for name in names), c["probe_ms"]] for c in choices]
         if rows:
-            print(format_table(["weight", "rows <=", "threads", "chosen", "kernel us", "W @ x^T us", "F.linear us",
-                                "probe ms"], rows))
+            print(format_table(["weight", "dtype", "rows <=", "threads", "chosen",
+                                *(f"{PRODUCT_LABELS[name]} us" for name in names), "probe ms"], rows))
+
+
+# the products a measured linear chooses from: fp32 (model/small_linear.py) and bf16 (model/packed_linear.py)
+PRODUCT_LABELS = {"kernel": "kernel", "w_xt": "W @ x^T", "packed": "packed", "f_linear": "F.linear"}
 
 
 def _paired_ratios(results: list[dict], n: int, system: str, base: str) -> list[float] | None:

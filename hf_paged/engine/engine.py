@@ -313,9 +313,11 @@ class Engine:
         return weights_fingerprint(self.model), self.memory.cache.scales_fingerprint()
 
     def reset_prefix_cache(self) -> None:
-        """Never reuse any K/V computed so far (after changes `kv_context` cannot see, e.g. writes through `.data`)."""
+        """Never reuse any K/V computed so far (after changes `kv_context` cannot see, e.g. writes through `.data`),
+        nor any packed copy of a weight (`model.packed_linear`)."""
         with self.lock:
             self.scheduler.set_context(object())
+            self.runner.linears.packed.forget()
 
     # ---- output --------------------------------------------------------------------------------
     def detokenize(self, token_ids: list[int]) -> str:

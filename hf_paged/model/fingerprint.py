@@ -19,6 +19,7 @@ qwen2 (96 tensors), ~125 us for r16 on all 7 of its linears (336 tensors). A mod
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -138,9 +139,7 @@ def _layout(model: torch.nn.Module) -> tuple:
                 if isinstance(held, torch.nn.Module):
                     for t in (*held.parameters(), *held.buffers()):
                         adapter_tensors[id(t)] = t
-    # which tensors: ids with weak references (equal while they live, never equal to a freed tensor's, whose id and
-    # storage a new one may reuse; no replaced weights kept alive); an unrelated registration lists an equal one
-    identity = tuple((id(t), weakref.ref(t)) for t in tensors)
+    identity = _serials(found, tensors)
     if found is None and any(t.is_inference() for t in tensors):
         logger.warning("hf_paged: some of this model's weights are inference tensors (made under "
                        "torch.inference_mode()): in-place changes to them are invisible to the prefix cache; call "
@@ -149,6 +148,24 @@ def _layout(model: torch.nn.Module) -> tuple:
     found = (_Registrations.count, tensors, adapters, identity, slots, sample)
     _listed[model] = found
     return found
+
+
+def _serials(found: tuple | None, tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Which tensors: a number per tensor object, kept from the previous listing where the same object is listed
+    again (an unrelated registration lists an equal identity), new for any other (never equal to a replaced tensor's,
+    though a new tensor may reuse a freed one's id and storage: the previous listing holds the old ones until this one
+    is made, so their ids cannot be reused meanwhile). Plain numbers, no weak references: `torch.utils.swap_tensors`
+    (`model.to(...)` with `torch.__future__.set_swap_module_params_on_conversion(True)`) refuses weakly referenced
+    tensors."""
+    before = {id(t): (t, serial) for t, serial in zip(found[1], found[3])} if found is not None else {}
+    serials = []
+    for t in tensors:
+        kept = before.get(id(t))
+        serials.append(kept[1] if kept is not None and kept[0] is t else next(_SERIAL))
+    return tuple(serials)
+
+
+_SERIAL = itertools.count()
 
 
 def _version(t: torch.Tensor) -> int:

@@ -226,7 +226,7 @@ def summary(report: list[dict]) -> str:
     lines: dict[tuple, list[str]] = {}
     for entry in report:
         head = (f"{entry['shape'][0]}x{entry['shape'][1]} {entry['dtype']} threads={entry['threads']}"
-                + ("" if entry["kernel_available"] else " (no kernel)"))
+                + ("" if entry["kernel_available"] or entry["dtype"] != "float32" else " (no kernel)"))
         lines.setdefault(head, []).append(f"{entry['rows']} {entry['path']}")
     spent = sum(entry["probe_ms"] for entry in report)
     return "; ".join(f"{head}: {', '.join(parts)}" for head, parts in lines.items()) + \

@@ -23,8 +23,9 @@ Every output is the same sum as F.linear's in another order of floating-point ad
 choice). `SmallBatchLinears.active()` swaps the `forward` of each plain `torch.nn.Linear` of the model
 (exact type: subclasses such as quantized layers keep theirs) for one forward pass and restores them after, even
 on error; they run only in the thread that swapped them in (`switches.THIS_THREAD.linears`): a plain forward of
-the model in another thread meanwhile gets F.linear, as without hf_paged. Only fp32 CPU weights take it; each call
-re-checks dtype, device and layout (a model cast or moved after the engine was built gets F.linear).
+the model in another thread meanwhile gets F.linear, as without hf_paged. Only fp32 CPU weights take these products
+(bf16 ones take `packed_linear`'s, chosen the same way); each call re-checks dtype, device and layout (a model cast
+or moved after the engine was built gets F.linear).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import native
+from . import packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -107,7 +109,8 @@ def small_linear_status() -> str:
     if chosen == "w_xt":
         return "W @ x^T (forced: HF_PAGED_SMALL_LINEARS=w_xt)"
     head = ("native kernel, W @ x^T or F.linear" if loaded else "W @ x^T or F.linear") + \
-        ", the fastest measured per weight shape and row count" + ("" if loaded else f" (no native kernel: {reason})")
+        ", the fastest measured per weight shape and row count" + ("" if loaded else f" (no native kernel: {reason})") \
+        + ("; bf16: oneDNN's packed copy or F.linear, measured alike" if packed_linear.supported() else "")
     report = summary(TABLE.report())
     return f"{head}; chosen: {report}" if report else f"{head}; nothing measured yet"
 
@@ -242,7 +245,8 @@ def _small_batch_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
     return _w_xt(rows, weight, bias).view(*input.shape[:-1], weight.shape[0])
 
 
-OUR_FORWARDS = (_measured_linear, _kernel_linear, _small_batch_linear)
+OUR_FORWARDS = (_measured_linear, _kernel_linear, _small_batch_linear, packed_linear._packed_linear,
+                packed_linear._forced_packed_linear)
 
 
 def drop_leftover_forwards(model: torch.nn.Module) -> int:
@@ -262,17 +266,23 @@ class SmallBatchLinears:
 
     def __init__(self, model: torch.nn.Module):
         self.mode = mode()  # read once: HF_PAGED_SMALL_LINEARS as it was when the engine was built
-        self.modules = [m for m in model.modules() if self.mode != "off" and type(m) is torch.nn.Linear
-                        and type(m.weight.data) is torch.Tensor  # not a tp_plan DTensor shard
-                        and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
-        kernel = load_small_gemm() if self.modules and self.mode != "w_xt" else None  # built now, not mid-step
+        plain_linears = [m for m in model.modules() if self.mode != "off" and type(m) is torch.nn.Linear
+                         and type(m.weight.data) is torch.Tensor  # not a tp_plan DTensor shard
+                         and m.weight.device.type == "cpu"]
+        fp32 = [m for m in plain_linears if m.weight.dtype == torch.float32]
+        packable = [m for m in plain_linears if m.weight.dtype in packed_linear.DTYPES] \
+            if packed_linear.supported() else []
+        kernel = load_small_gemm() if fp32 and self.mode != "w_xt" else None  # built now, not mid-step
         if self.mode == "auto":
             function = _measured_linear
         elif self.mode == "kernel" and kernel is not None:
             function = _kernel_linear
         else:
             function = _small_batch_linear
-        self.forwards = [types.MethodType(function, m) for m in self.modules]
+        self.modules = fp32 + packable
+        self.forwards = [types.MethodType(function, m) for m in fp32] + \
+            [types.MethodType(packed_linear.forward_for(packed_linear.mode()), m) for m in packable]
+        self.packed = packed_linear.PackedLinears(packable)  # bf16: oneDNN's pre-packed copies (measured)
         self.ids = frozenset(id(m) for m in self.modules)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.head = head if any(m is head for m in self.modules) else None
@@ -296,7 +306,8 @@ class SmallBatchLinears:
             m = head_rows if module is self.head else rows
             if 0 < m <= KERNEL_MAX_ROWS:
                 weight = module.weight
-                if fast.get((weight.shape, weight.dtype, BUCKET_OF[m], threads, kernel)) \
+                fp32 = weight.dtype == torch.float32  # the packed (bf16) products' keys say kernel=False
+                if fast.get((weight.shape, weight.dtype, BUCKET_OF[m], threads, kernel and fp32)) \
                         is not torch.nn.functional.linear:
                     return False
         self.plain_steps.add(key)
@@ -313,6 +324,8 @@ class SmallBatchLinears:
         # a module that carries a forward of its own (accelerate's offloading hooks, a user's wrapper) keeps it
         # set in the instance dict directly: what nn.Module.__setattr__ does for a plain function, at a fifth of the
         # cost (57 linears each way: 100 -> 20 us a step)
+        if self.packed.modules:
+            self.packed.verify()  # packed copies whose weights changed through `.data` are dropped (packed_linear)
         on = THIS_THREAD.linears
         added = self.ids - on  # this thread's switch: another thread calling these forwards gets F.linear
         on |= added

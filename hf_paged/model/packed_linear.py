@@ -1,0 +1,254 @@
+"""bf16 CPU linears on oneDNN's pre-packed weights, where a timed probe on this machine finds them faster.
+
+torch's bf16 `F.linear` on a CPU runs oneDNN, which reorders the weight into its blocked (AMX / AVX-512) layout on
+every call: for the few rows of a decode step that reorder is a second pass over the weight. A copy packed once
+(`torch.ops.mkldnn._reorder_linear_weight`) and multiplied by `_linear_pointwise` skips it: on an AMX Xeon, 1.3-2x
+per product at 1-64 rows. Whether it wins is measured like the fp32 products of `small_linear`: the first call of
+each (weight shape, dtype, row bucket, torch threads) times both on that call's own weight (`linear_choice.TABLE`,
+F.linear kept unless the packed product is more than 5 % faster), so a CPU where it loses keeps F.linear.
+
+Invariants:
+- Used only where `small_linear` swaps forwards (the engine's forward, in the thread that swapped them in), for a
+  plain `torch.nn.Linear` whose CPU weight is bf16, contiguous and 2-D, on inputs needing no gradient, without
+  autocast; anything else gets F.linear. The sums are F.linear's bf16 products with fp32 accumulation in another
+  order (bf16 rounding flips, like any other kernel choice; fp32 models never take this path).
+- A packed copy is used only while it matches its weight: on every call the weight's address, shape and version
+  counter must equal those it was packed from (an optimizer step, `load_state_dict`, `copy_`, a cast, `.data = ...`
+  all repack), and before each forward `PackedLinears.verify` compares sample entries of every packed weight (a few
+  short runs spread over it) with their values when packed: writes through `.data` (which bypass the version
+  counter; PEFT merges LoRA into base weights that way) that change any of them drop every copy of the model.
+  Not caught: a `.data` write that changes none of the sampled entries; `LLM.reset_prefix_cache()` drops the copies
+  as well.
+- Memory: a copy is a second copy of its weight. All copies in the process together stay under BUDGET_SHARE of the
+  memory available when the first was made; beyond that, F.linear. `HF_PAGED_PACKED_LINEARS=0` turns them off.
+- A copy lives as long as its module (`_COPIES` holds modules weakly) and is shared by every engine of the model
+  (`model.generate(...)` builds an engine per call: no repacking per call).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import weakref
+
+import torch
+
+from .linear_choice import BUCKET_OF, TABLE, Key
+from .switches import THIS_THREAD
+
+PIECES, PIECE = 8, 4  # sample runs per packed weight and entries per run
+BUDGET_SHARE = 0.25  # of MemAvailable when the first copy is made: the most all copies may take
+SWITCH = "HF_PAGED_PACKED_LINEARS"
+BATCH_HINT = 64  # rows oneDNN lays the packed copy out for (1..64-row products measured no slower than with none)
+DTYPES = (torch.bfloat16,)
+
+
+def mode() -> str:
+    """`HF_PAGED_PACKED_LINEARS`: "off" (0), "force" (the packed product wherever it may run: for tests and
+    comparisons), else "auto" (measured)."""
+    value = os.environ.get(SWITCH, "auto").strip().lower()
+    return {"0": "off", "force": "force"}.get(value, "auto")
+
+
+def supported() -> bool:
+    """oneDNN with bf16 support in this torch build, and not switched off."""
+    return mode() != "off" and _onednn_bf16()
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_bf16() -> bool:
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class PackedCopy:
+    """One weight's packed copy and what it was packed from."""
+    __slots__ = ("address", "version", "shape", "stride", "nbytes", "packed", "views", "values")
+
+    def __init__(self, weight: torch.Tensor):
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        self.address, self.version, self.shape = weight.data_ptr(), _version(weight), weight.shape
+        self.stride = weight.stride()
+        self.nbytes = weight.numel() * weight.element_size()
+        flat = weight.detach().view(-1)
+        step = max((flat.numel() - PIECE) // (PIECES - 1), 1)
+        starts = sorted({min(i * step, max(flat.numel() - PIECE, 0)) for i in range(PIECES)})
+        self.views = [flat[s:s + PIECE] for s in starts]  # views of the weight's own storage, read before forwards
+        self.values = torch.cat(self.views).clone()
+
+    def matches(self, weight: torch.Tensor) -> bool:
+        """The weight is still what this copy was packed from (same storage, layout and version): then also still
+        `weight_packable`, which is checked only when packing."""
+        return (weight.data_ptr() == self.address and _version(weight) == self.version
+                and weight.shape == self.shape and weight.stride() == self.stride)
+
+
+def _version(weight: torch.Tensor) -> int:
+    """The version counter (-1 for an inference tensor, which has none: only the sampled values guard it)."""
+    return -1 if weight.is_inference() else weight._version
+
+
+_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedCopy]" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+_budget: list[int] = []  # bytes, fixed when the first copy is made
+
+
+def _budget_bytes() -> int:
+    if not _budget:
+        from ..config import available_host_memory
+
+        _budget.append(int(available_host_memory() * BUDGET_SHARE))
+    return _budget[0]
+
+
+def copy_for(module: torch.nn.Module, weight: torch.Tensor) -> PackedCopy | None:
+    """`module`'s packed copy of `weight` as it is now (packed again if it changed), or None: over the budget, or a
+    weight the packed product does not take (`weight_packable`)."""
+    copy = _COPIES.get(module)
+    if copy is not None and copy.matches(weight):
+        return copy
+    if not weight_packable(weight):
+        return None
+    with _LOCK:
+        if copy is not None:
+            del _COPIES[module]
+        need = weight.numel() * weight.element_size()
+        if sum(c.nbytes for c in _COPIES.values()) + need > _budget_bytes():
+            return None
+        copy = PackedCopy(weight)
+        _COPIES[module] = copy
+        return copy
+
+
+def forget(modules) -> int:
+    """Drop the packed copies of `modules` (repacked on their next use); returns how many there were."""
+    with _LOCK:
+        dropped = [m for m in modules if _COPIES.pop(m, None) is not None]
+    return len(dropped)
+
+
+def weight_packable(weight: torch.Tensor) -> bool:
+    """A weight the packed product takes: bf16, CPU, 2-D, contiguous, a plain tensor (checked when packing; a copy
+    is used only while its weight `matches` it)."""
+    return (weight.dtype in DTYPES and weight.is_cpu and weight.dim() == 2 and weight.is_contiguous()
+            and type(weight.data) is torch.Tensor)
+
+
+def inputs_ok(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """What is checked on every call besides the copy (like `small_linear._kernel_takes`): rows of the weight's dtype
+    on the CPU, a matching bias, no gradient wanted, no autocast."""
+    return (rows.dtype is weight.dtype and rows.is_cpu
+            and (bias is None or (bias.dtype is weight.dtype and bias.is_cpu and bias.shape == weight.shape[:1]))
+            and not (torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and not torch.is_autocast_enabled("cpu"))
+
+
+def _packed_product(rows: torch.Tensor, copy: PackedCopy, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, copy.packed, bias, "none", [], "")
+
+
+def _probe_packed(module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """What a call that chose the packed product runs (the probe times this, checks included)."""
+    copy = copy_for(module, weight)
+    inputs_ok(rows, weight, bias)
+    return _packed_product(rows, copy, bias)
+
+
+PACKED = "packed"  # the TABLE's product for the packed path: a marker, the call itself needs the module's copy
+
+
+def _marker(*_args):  # pragma: no cover - never called: `_packed_linear` recognizes it
+    raise AssertionError("the packed product's marker is not a product")
+
+
+def _choose(key: tuple, module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None):
+    want = key[2]
+    if rows.shape[0] != want:  # the bucket's row count, of this call's rows repeated (no random numbers drawn)
+        rows = rows[torch.arange(want, device=rows.device) % rows.shape[0]]
+    f_linear = torch.nn.functional.linear
+    products = {PACKED: _marker, "f_linear": f_linear}
+    runs = {PACKED: functools.partial(_probe_packed, module, rows, weight, bias),
+            "f_linear": functools.partial(f_linear, rows, weight, bias)}
+    with torch.no_grad():
+        return TABLE.choose(Key(tuple(key[0]), *key[1:]), products, runs)
+
+
+def _packed_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    """The measured choice between the packed product and F.linear for this shape, row bucket and thread count."""
+    return _packed_or_plain(self, input, measured=True)
+
+
+def _forced_packed_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """HF_PAGED_PACKED_LINEARS=force: the packed product wherever it may run (memory budget and inputs allowing)."""
+    return _packed_or_plain(self, input, measured=False)
+
+
+def forward_for(mode_name: str):
+    """The forward `small_linear.SmallBatchLinears` swaps in for a packable linear in `mode_name` ("auto"/"force")."""
+    return _forced_packed_linear if mode_name == "force" else _packed_linear
+
+
+def _packed_or_plain(self: torch.nn.Linear, input: torch.Tensor, measured: bool) -> torch.Tensor:  # noqa: A002
+    weight, bias = self.weight, self.bias
+    f_linear = torch.nn.functional.linear
+    if id(self) not in THIS_THREAD.linears:
+        return f_linear(input, weight, bias)
+    shape = input.shape
+    m = input.numel() // shape[-1] if shape and shape[-1] else 0
+    if not 0 < m < len(BUCKET_OF) or shape[-1] != weight.shape[-1]:
+        return f_linear(input, weight, bias)
+    key = (weight.shape, weight.dtype, BUCKET_OF[m], torch.get_num_threads(), False)
+    product = TABLE.fast.get(key) if measured else _marker
+    if product is f_linear:
+        return f_linear(input, weight, bias)
+    rows = input.reshape(m, shape[-1])
+    if not inputs_ok(rows, weight, bias):
+        return f_linear(input, weight, bias)
+    copy = copy_for(self, weight)
+    if copy is None:  # over the memory budget, or a weight it does not take
+        return f_linear(input, weight, bias)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    if product is None:
+        product = _choose(key, self, rows, weight, bias)
+        if product is f_linear:
+            forget([self])  # no copy kept for a shape that runs F.linear (a bucket choosing packed packs again)
+            return f_linear(input, weight, bias)
+    out = _packed_product(rows, copy, bias)
+    return out if len(shape) == 2 else out.view(*shape[:-1], weight.shape[0])
+
+
+class PackedLinears:
+    """A model's bf16 linears that may take packed copies: `verify()` before each forward they may run in."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+        self._seen: list = []  # the copies the joined sample below was built from
+        self._views: list[torch.Tensor] = []
+        self._values: torch.Tensor | None = None
+
+    def verify(self) -> bool:
+        """True when every packed copy's sample still holds its packed values; else drops all of this model's
+        copies (they are packed again on use) and returns False."""
+        copies = [_COPIES.get(m) for m in self.modules]
+        copies = [c for c in copies if c is not None]
+        if not copies:
+            return True
+        if len(copies) != len(self._seen) or any(a is not b for a, b in zip(copies, self._seen)):
+            self._seen = copies
+            self._views = [v for c in copies for v in c.views]
+            self._values = torch.cat([c.values for c in copies])
+        if torch.equal(torch.cat(self._views), self._values):
+            return True
+        self.forget()
+        return False
+
+    def forget(self) -> int:
+        self._seen, self._views, self._values = [], [], None
+        return forget(self.modules)

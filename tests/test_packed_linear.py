@@ -244,3 +244,18 @@ def test_peft_merge_and_unmerge_repack_the_base_weights(forced, one_torch_thread
         check("unmerged, disabled")
     model.merge_adapter(safe_merge=True)  # new storage
     check("safe-merged")
+
+
+def test_a_weight_that_cannot_be_packed_runs_f_linear(forced, monkeypatch, caplog):
+    """oneDNN refusing a weight (or no memory for its copy) costs speed, not the step: F.linear, one warning."""
+    def refuse(weight, hint):
+        raise RuntimeError("no packing today")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    net = make()
+    linears = SmallBatchLinears(net)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(run(net, linears, x), net(x))
+    assert packed_linear._COPIES.get(net.proj) is None
+    assert sum("no packing today" in r.getMessage() for r in caplog.records) == 2  # once per weight shape

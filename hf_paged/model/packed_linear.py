@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from ..config import logger
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
@@ -118,9 +119,23 @@ def copy_for(module: torch.nn.Module, weight: torch.Tensor) -> PackedCopy | None
         need = weight.numel() * weight.element_size()
         if sum(c.nbytes for c in _COPIES.values()) + need > _budget_bytes():
             return None
-        copy = PackedCopy(weight)
+        try:
+            copy = PackedCopy(weight)
+        except (RuntimeError, MemoryError) as error:  # oneDNN refused it or no memory for it: F.linear, as without
+            _warn_once(f"hf_paged: no packed copy of a {tuple(weight.shape)} {weight.dtype} weight ({error}); "
+                       f"its linear runs F.linear")
+            return None
         _COPIES[module] = copy
         return copy
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def forget(modules) -> int:

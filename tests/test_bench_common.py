@@ -64,3 +64,9 @@ def test_the_shared_flags():
 def test_machine_info_names_the_python_and_cpus():
     info = common.machine_info()
     assert info["python"] == ".".join(map(str, sys.version_info[:3])) and info["cpu_count"] == os.cpu_count()
+    if os.path.exists("/proc/cpuinfo"):  # the flags that decide which products are fast, as /proc/cpuinfo lists them
+        text = open("/proc/cpuinfo").read()
+        listed = set(next(line.split(":", 1)[1].split() for line in text.splitlines()
+                          if line.split(":", 1)[0].strip() in ("flags", "Features")))
+        assert info["cpu_flags"] == [flag for flag in common.SPEED_FLAGS if flag in listed]
+        assert info["cpu_flags"] or not listed & set(common.SPEED_FLAGS)

@@ -80,13 +80,23 @@ def matmul_gflops(size: int = 1024, repeats: int = 10, dtype: str = "float32") -
     return 2 * size**3 / best / 1e9
 
 
+# instruction-set flags that decide which products are fast (/proc/cpuinfo's names): reported with every figure
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+               "amx_int8", "amx_fp16", "asimd", "sve", "sve2", "bf16", "i8mm")
+
+
 def machine_info() -> dict:
-    """Python, OS, CPU count and the CPU model: /proc/cpuinfo's "model name", else lscpu's "Model name"."""
+    """Python, OS, CPU count, the CPU model (/proc/cpuinfo's "model name", else lscpu's "Model name") and its
+    `SPEED_FLAGS` (where /proc/cpuinfo lists flags: "flags" on x86, "Features" on ARM)."""
     info = {"python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
             "processor": platform.processor() or platform.machine()}
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            lines = f.read().splitlines()
+        listed = next((line.split(":", 1)[1].split() for line in lines
+                       if line.split(":", 1)[0].strip() in ("flags", "Features")), [])
+        info["cpu_flags"] = [flag for flag in SPEED_FLAGS if flag in listed]
+        info["cpu_model"] = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     except (OSError, StopIteration):
         try:
             out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout

@@ -108,7 +108,9 @@ def print_report(args, report: dict, rows: list, path) -> None:
               f"{args.max_tokens} new tokens/request; matmul-limit output tok/s: "
               + ", ".join(f"{n} req {v:.0f}" for n, v in limits.items() if v))
     print(f"results written to {path}")
-    print(f"CPU: {report['machine'].get('cpu_model', report['machine']['processor'])}, {report['threads']} torch "
+    flags = report["machine"].get("cpu_flags")
+    print(f"CPU: {report['machine'].get('cpu_model', report['machine']['processor'])}"
+          f"{' (' + ' '.join(flags) + ')' if flags else ''}, {report['threads']} torch "
           f"threads; load average (1/5/15 min) before {report['load_average']['before']}, after "
           f"{report['load_average']['after']}\n")
     print(format_table(["system", "requests", "seconds", "CPU s", "out tok/s", "peak RSS MB", "x HF padded",

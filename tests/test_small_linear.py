@@ -89,11 +89,11 @@ def test_each_call_picks_its_product_by_its_own_rows(monkeypatch):
     assert calls == [3] and h.shape == (1, KERNEL_MAX_ROWS + 1, 40) and out.shape == (1, 3, CHUNK + 100)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 15, 16, 17, 31, 32, 33, 48, 64, 100, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 31, 32, 33, 48, 64, 100, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (5, 7), (8, 16), (37, 33), (130, 70)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_against_float64(rows, out_features, in_features, bias):
-    """Every row count of both kernel paths (dot products up to 4 rows, 16- and 32-row tiles from 5), output
+    """Every row count of both kernel paths (dot products up to 8 rows, four at a time; 16- and 32-row tiles from 9), output
     counts that leave short tiles, inputs not a multiple of the vector width, rows strided inside a wider tensor."""
     kernel = load_small_gemm()
     assert kernel is not None

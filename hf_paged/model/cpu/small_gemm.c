@@ -9,7 +9,8 @@
  * y:      [m, n] contiguous
  * packed: scratch of k * mp floats, mp = m rounded up to a multiple of 16
  *
- * First x is packed transposed (packed[kk * mp + i] = x[i, kk], padding rows zero), so that one 16-float vector
+ * Up to 8 rows of x: dot products along k, read straight from x, four rows at a time (`few_rows`). More rows:
+ * first x is packed transposed (packed[kk * mp + i] = x[i, kk], padding rows zero), so that one 16-float vector
  * holds 16 rows' values of one input feature. A tile then takes NB weight rows (output features) and 16 or 32
  * rows of x: for each kk it broadcasts w[j, kk] against the vector(s) of packed row kk and accumulates NB x 16
  * (or NB x 32) outputs in registers; the NB weight rows stay in L1 while the tile walks over the rows of x.
@@ -71,7 +72,8 @@ DEFINE_TILE(tile16, 1)
 DEFINE_TILE(tile32, 2)
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define DOT_NB 4 /* weight rows per dot tile */
+#define DOT_NB 4        /* weight rows per dot tile */
+#define DOT_MAX_ROWS 8  /* rows of x taken by dot tiles, four at a time; more rows: the padded tiles */
 
 /* Up to 4 rows (rows = 1..4, a constant at each call site): dot products along k, 16 floats at a time, read
  * straight from x (no packing, no wasted lanes), then one horizontal sum per output and the k % 16 tail. */
@@ -102,17 +104,25 @@ ALWAYS_INLINE void dot_tile(const float *restrict x, int64_t x_stride, const flo
         }
 }
 
+/* Up to DOT_MAX_ROWS rows: each tile of DOT_NB weight rows (in L1 after the first pass) takes the rows of x four at
+ * a time. The padded tiles below would compute 16 rows for 5..8 (two to three times the work): on an AMX Xeon this
+ * way is 1.5-2.1x faster there (LM head [32000, 512]: 9.4 -> 4.5 ms at 5 rows, 9.5 -> 5.7 ms at 8), and 0.7-0.9x
+ * at 16 rows, where the padded tile wastes nothing. */
 static void few_rows(const float *restrict x, int64_t x_stride, const float *restrict w, const float *restrict bias,
                      float *restrict y, int64_t m, int64_t n, int64_t k) {
     const int64_t tiles = (n + DOT_NB - 1) / DOT_NB;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
         const int64_t j0 = t * DOT_NB, nb = n - j0 < DOT_NB ? n - j0 : DOT_NB;
-        switch (m) {
-            case 1: dot_tile(x, x_stride, w, bias, y, 1, n, k, j0, nb); break;
-            case 2: dot_tile(x, x_stride, w, bias, y, 2, n, k, j0, nb); break;
-            case 3: dot_tile(x, x_stride, w, bias, y, 3, n, k, j0, nb); break;
-            case 4: dot_tile(x, x_stride, w, bias, y, 4, n, k, j0, nb); break;
+        for (int64_t r0 = 0; r0 < m; r0 += 4) {
+            const float *xr = x + r0 * x_stride;
+            float *yr = y + r0 * n;
+            switch (m - r0 < 4 ? m - r0 : 4) {
+                case 1: dot_tile(xr, x_stride, w, bias, yr, 1, n, k, j0, nb); break;
+                case 2: dot_tile(xr, x_stride, w, bias, yr, 2, n, k, j0, nb); break;
+                case 3: dot_tile(xr, x_stride, w, bias, yr, 3, n, k, j0, nb); break;
+                case 4: dot_tile(xr, x_stride, w, bias, yr, 4, n, k, j0, nb); break;
+            }
         }
     }
 }
@@ -169,7 +179,7 @@ static inline void pack_block(const float *restrict x, int64_t x_stride, float *
 void small_gemm_f32(const float *restrict x, int64_t x_stride, const float *restrict w, const float *restrict bias,
                     float *restrict y, float *restrict packed, int64_t m, int64_t n, int64_t k) {
     if (m <= 0 || n <= 0) return;
-    if (m <= 4) {
+    if (m <= DOT_MAX_ROWS) {
         few_rows(x, x_stride, w, bias, y, m, n, k);
         return;
     }

@@ -70,7 +70,7 @@ def sampled_entries(copy, weight):
     """Which entries of `weight` (flattened) the copy's samples read."""
     flat = weight.detach().view(-1)
     sampled = torch.zeros(flat.numel(), dtype=torch.bool)
-    for view in copy.views:
+    for view in copy.sample_views(weight):
         start = (view.data_ptr() - flat.data_ptr()) // flat.element_size()
         sampled[start:start + view.numel()] = True
     return sampled
@@ -259,3 +259,38 @@ def test_a_weight_that_cannot_be_packed_runs_f_linear(forced, monkeypatch, caplo
         assert torch.equal(run(net, linears, x), net(x))
     assert packed_linear._COPIES.get(net.proj) is None
     assert sum("no packing today" in r.getMessage() for r in caplog.records) == 2  # once per weight shape
+
+
+def test_a_copy_does_not_keep_a_replaced_weight_alive(forced):
+    """A weight given new storage (`model.to(...)`, `.data = ...`): its copy holds no view of it, and the next
+    forward's check drops the stale copy and every view of the old storage (then only the caller holds it)."""
+    net = make()
+    linears = SmallBatchLinears(net)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    run(net, linears, x)
+    run(net, linears, x)  # its check joined views of the packed weights
+    old = net.proj.weight.data
+    net.proj.weight.data = old.clone()
+
+    def holders(t):
+        return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+    alone = holders(torch.empty(3))  # a tensor nobody else holds (the storage object asked adds its own count)
+    assert holders(old) > alone  # the engine's joined sample still views it, until the next forward
+    assert linears.packed.verify()  # the other copies still hold; the stale one is dropped
+    assert packed_linear._COPIES.get(net.proj) is None and holders(old) == alone
+    assert close(run(net, linears, x), net(x))
+
+
+@pytest.mark.parametrize("how", ["new_storage", "in_place"])
+def test_copy_for_repacks_a_changed_weight(how):
+    """The per-call check alone (without the forward's sample check): other storage or a bumped version repacks."""
+    net = make()
+    first = packed_linear.copy_for(net.proj, net.proj.weight)
+    assert packed_linear.copy_for(net.proj, net.proj.weight) is first
+    with torch.no_grad():
+        if how == "new_storage":
+            net.proj.weight.data = net.proj.weight.data.clone()
+        else:
+            net.proj.weight.view(-1)[5] += 1
+    assert packed_linear.copy_for(net.proj, net.proj.weight) is not first

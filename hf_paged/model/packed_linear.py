@@ -65,8 +65,9 @@ def _onednn_bf16() -> bool:
 
 
 class PackedCopy:
-    """One weight's packed copy and what it was packed from."""
-    __slots__ = ("address", "version", "shape", "stride", "nbytes", "packed", "views", "values")
+    """One weight's packed copy and what it was packed from. It holds no view of the weight: a weight given new
+    storage (`model.to("cuda")`, `.data = ...`) is not kept alive by its copy."""
+    __slots__ = ("address", "version", "shape", "stride", "nbytes", "packed", "starts", "values", "__weakref__")
 
     def __init__(self, weight: torch.Tensor):
         with torch.no_grad():
@@ -74,11 +75,19 @@ class PackedCopy:
         self.address, self.version, self.shape = weight.data_ptr(), _version(weight), weight.shape
         self.stride = weight.stride()
         self.nbytes = weight.numel() * weight.element_size()
+        numel = weight.numel()
+        step = max((numel - PIECE) // (PIECES - 1), 1)
+        self.starts = sorted({min(i * step, max(numel - PIECE, 0)) for i in range(PIECES)})  # the sampled runs
+        self.values = torch.cat(self.sample_views(weight)).clone()
+
+    def sample_views(self, weight: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the sampled runs of `weight` (the one this copy was packed from)."""
         flat = weight.detach().view(-1)
-        step = max((flat.numel() - PIECE) // (PIECES - 1), 1)
-        starts = sorted({min(i * step, max(flat.numel() - PIECE, 0)) for i in range(PIECES)})
-        self.views = [flat[s:s + PIECE] for s in starts]  # views of the weight's own storage, read before forwards
-        self.values = torch.cat(self.views).clone()
+        return [flat[s:s + PIECE] for s in self.starts]
+
+    def same_storage(self, weight: torch.Tensor) -> bool:
+        """`weight` has the address, shape and strides this copy was packed from (its values may have changed)."""
+        return weight.data_ptr() == self.address and weight.shape == self.shape and weight.stride() == self.stride
 
     def matches(self, weight: torch.Tensor) -> bool:
         """The weight is still what this copy was packed from (same storage, layout and version): then also still
@@ -244,21 +253,26 @@ class PackedLinears:
 
     def __init__(self, modules: list[torch.nn.Module]):
         self.modules = modules
-        self._seen: list = []  # the copies the joined sample below was built from
-        self._views: list[torch.Tensor] = []
+        self._seen: list = []  # weak references to the copies the joined sample below was built from
+        self._views: list[torch.Tensor] = []  # views of those copies' weights (this engine's, between forwards)
         self._values: torch.Tensor | None = None
 
     def verify(self) -> bool:
         """True when every packed copy's sample still holds its packed values; else drops all of this model's
-        copies (they are packed again on use) and returns False."""
-        copies = [_COPIES.get(m) for m in self.modules]
-        copies = [c for c in copies if c is not None]
-        if not copies:
+        copies (they are packed again on use) and returns False. A copy whose weight now has other storage is
+        dropped alone (it would be packed again on its next call anyway)."""
+        live = [(m, c) for m in self.modules if (c := _COPIES.get(m)) is not None]
+        moved = [m for m, c in live if not c.same_storage(m.weight)]
+        if moved:
+            forget(moved)
+            live = [(m, c) for m, c in live if c.same_storage(m.weight)]
+        if not live:
+            self._seen, self._views, self._values = [], [], None
             return True
-        if len(copies) != len(self._seen) or any(a is not b for a, b in zip(copies, self._seen)):
-            self._seen = copies
-            self._views = [v for c in copies for v in c.views]
-            self._values = torch.cat([c.values for c in copies])
+        if len(live) != len(self._seen) or any(ref() is not c for ref, (_, c) in zip(self._seen, live)):
+            self._seen = [weakref.ref(c) for _, c in live]
+            self._views = [v for m, c in live for v in c.sample_views(m.weight)]
+            self._values = torch.cat([c.values for _, c in live])
         if torch.equal(torch.cat(self._views), self._values):
             return True
         self.forget()

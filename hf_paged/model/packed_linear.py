@@ -22,7 +22,9 @@ Invariants:
 - Memory: a copy is a second copy of its weight. All copies in the process together stay under BUDGET_SHARE of the
   memory available when the first was made; beyond that, F.linear. `HF_PAGED_PACKED_LINEARS=0` turns them off.
 - A copy lives as long as its module (`_COPIES` holds modules weakly) and is shared by every engine of the model
-  (`model.generate(...)` builds an engine per call: no repacking per call).
+  (`model.generate(...)` builds an engine per call: no repacking per call). It holds no view of its weight, so a
+  weight given new storage (`model.to("cuda")`) is freed; the copy itself goes at the next forward's check, with
+  `reset_prefix_cache()`, or with its module.
 """
 from __future__ import annotations
 

@@ -38,3 +38,20 @@ def test_no_compiler_is_a_runtime_error(source, monkeypatch):
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="no C compiler"):
         native.build(source)
+
+
+def test_native_entry_points_are_never_traced_by_dynamo():
+    """Every call into hf_paged's native code (raw pointers through ctypes) is `torch.compiler.disable`d: dynamo
+    tracing a compiled model into the CPU decode kernel's call corrupted the heap ("malloc(): unaligned tcache chunk
+    detected": `model.compile(backend="eager")`, then `LLM(model).generate(...)` on a 1-layer bf16 tiny llama; with
+    the decorator the tokens equal the uncompiled model's)."""
+    from hf_paged.attention.cpu_kernel import CpuDecodeKernel
+    from hf_paged.model import gated_delta
+    from hf_paged.model.small_linear import SmallGemm
+
+    def original(*args, **kwargs):
+        return None
+
+    entry_points = [CpuDecodeKernel.__call__, SmallGemm.__call__, gated_delta.recurrent_step(original),
+                    gated_delta.conv_step(original)]
+    assert all(getattr(f, "_torchdynamo_disable", False) for f in entry_points)

@@ -294,3 +294,98 @@ def test_copy_for_repacks_a_changed_weight(how):
         else:
             net.proj.weight.view(-1)[5] += 1
     assert packed_linear.copy_for(net.proj, net.proj.weight) is not first
+
+
+def test_a_nan_in_a_sampled_entry_is_no_change(forced, monkeypatch):
+    """Samples compare bit for bit: a NaN weight entry does not drop and repack every copy at every forward."""
+    packs = []
+    real = packed_linear.PackedCopy.__init__
+    monkeypatch.setattr(packed_linear.PackedCopy, "__init__", lambda self, w: (packs.append(1), real(self, w))[1])
+    net = make()
+    with torch.no_grad():
+        net.proj.weight.view(-1)[0] = float("nan")
+    linears = SmallBatchLinears(net)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    for _ in range(4):
+        run(net, linears, x)
+    assert len(packs) == 2  # proj and head, once each
+
+
+def test_other_storage_at_the_packed_weights_address_is_not_the_packed_weight(forced):
+    """New storage where the packed weight's was (an allocator hands a freed address out again; here another storage
+    object over the same memory, through numpy, stands in for it), same shape, version 0, edited only where no
+    sample reads: the copy knows its storage (a weak reference to it), not only its address."""
+    net = make()
+    linears = SmallBatchLinears(net)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    run(net, linears, x)
+    copy = packed_linear._COPIES[net.proj]
+    weight = net.proj.weight.data
+    alias = torch.from_numpy(weight.view(torch.int16).numpy()).view(torch.bfloat16)  # same memory, new storage
+    assert alias.data_ptr() == copy.address and alias.untyped_storage()._cdata != copy.storage.cdata
+    net.proj.weight.data = alias
+    assert net.proj.weight._version == copy.version
+    with torch.no_grad():  # through numpy's buffer: unsampled entries only, no version bump
+        alias.view(-1)[~sampled_entries(copy, alias)] *= -8
+    assert not copy.matches(net.proj.weight)
+    assert close(run(net, linears, x), net(x))
+
+
+def test_a_same_address_reinterpretation_and_a_strided_bias_get_f_linear(forced):
+    net = make()
+    linears = SmallBatchLinears(net)
+    for _ in range(2):
+        run(net, linears, torch.randn(2, 64, dtype=torch.bfloat16))
+    net.proj.weight.data = net.proj.weight.data.view(torch.float16)  # same storage and address, another dtype
+    net.proj.bias.data = net.proj.bias.data.view(torch.float16)
+    x = torch.randn(2, 64, dtype=torch.float16)
+    assert torch.equal(run(net.proj, linears, x), net.proj(x))
+    other = make()
+    other.proj.bias = torch.nn.Parameter(torch.randn(96, dtype=torch.bfloat16)[::2])  # a strided bias
+    linears = SmallBatchLinears(other)
+    y = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert close(run(other, linears, y), other(y))
+
+
+def test_a_copy_dropped_by_another_thread_meanwhile_is_no_error(forced, monkeypatch):
+    """`reset_prefix_cache()` of another engine on the model (another thread) drops the copies between a call's look
+    at its copy and its repack: the call packs anew."""
+    net = make()
+    linears = SmallBatchLinears(net)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    run(net, linears, x)
+    net.proj.weight.data = net.proj.weight.data.clone()  # its next call repacks
+    real = packed_linear._LOCK
+
+    class DropFirst:  # the other thread's forget() runs as this call takes the lock
+        def __enter__(self):
+            packed_linear._COPIES.pop(net.proj, None)
+            return real.__enter__()
+
+        def __exit__(self, *exc):
+            return real.__exit__(*exc)
+
+    monkeypatch.setattr(packed_linear, "_LOCK", DropFirst())
+    monkeypatch.setattr(linears.packed, "verify", lambda: True)  # as if the weight changed after the check
+    assert close(run(net, linears, x), net(x))
+
+
+def test_inference_tensors_and_recomputed_weights_are_not_packed(forced):
+    """A weight made under inference_mode has no version counter (an in-place edit of unsampled entries would go
+    unseen): not packed. A pruned weight is recomputed on every call (a new tensor each time): not packed either."""
+    with torch.inference_mode():
+        net = make()
+    linears = SmallBatchLinears(net)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    run(net, linears, x)
+    assert packed_linear._COPIES.get(net.proj) is None
+    with torch.inference_mode():
+        net.proj.weight[1:4].mul_(-8)
+        assert close(run(net, linears, x), net(x))
+    pruned = make()
+    from torch.nn.utils import prune
+
+    prune.random_unstructured(pruned.proj, "weight", amount=0.3)
+    linears = SmallBatchLinears(pruned)
+    assert close(run(pruned, linears, x), pruned(x))
+    assert packed_linear._COPIES.get(pruned.proj) is None and packed_linear._COPIES.get(pruned.head) is not None

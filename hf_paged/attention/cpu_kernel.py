@@ -30,6 +30,7 @@ class CpuDecodeKernel:
             fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, ptr, ptr, i64, ptr, i64, i64, i64]
             fn.restype = None
 
+    @torch.compiler.disable  # never traced: dynamo tracing a compiled model into this ctypes call corrupted the heap
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, sliding_window: int | None,
                  softcap: float | None, extras: LayerExtras | None = None,

@@ -60,6 +60,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def recurrent_step(original):
     """transformers' `torch_recurrent_gated_delta_rule` for one token from a float32 state (see the module doc)."""
+    @torch.compiler.disable  # calls native code through raw pointers: never traced by dynamo (a compiled model)
     def step(query, key, value, g, beta, initial_state=None, output_final_state=False,
              use_qk_l2norm_in_kernel=False, **kwargs):
         if initial_state is None or query.shape[1] != 1 or initial_state.dtype != torch.float32:
@@ -160,6 +161,7 @@ def chunk_rule(original, chunk: int = CHUNK):
 def conv_step(original):
     """transformers' `causal_conv1d_forward` on a `StateView`: one token from a stored window (see the module doc),
     or several tokens natively (the view's window, then the convolution over it); `original` for anything else."""
+    @torch.compiler.disable  # calls native code through raw pointers: never traced by dynamo (a compiled model)
     def step(conv1d, hidden_states, cache, layer_idx, activation=None, state_idx=0, **kwargs):
         weight, steps, bias = conv1d.weight.squeeze(1), native_steps(), conv1d.bias  # weight [C, K]
         if not isinstance(cache, StateView):

@@ -15,10 +15,11 @@ Invariants:
 - A packed copy is used only while it matches its weight: on every call the weight's address, shape and version
   counter must equal those it was packed from (an optimizer step, `load_state_dict`, `copy_`, a cast, `.data = ...`
   all repack), and before each forward `PackedLinears.verify` compares sample entries of every packed weight (a few
-  short runs spread over it) with their values when packed: writes through `.data` (which bypass the version
-  counter; PEFT merges LoRA into base weights that way) that change any of them drop every copy of the model.
-  Not caught: a `.data` write that changes none of the sampled entries; `LLM.reset_prefix_cache()` drops the copies
-  as well.
+  short runs spread over it) with their values when packed: writes that bypass the version counter (through
+  `.data`, as PEFT merges LoRA into base weights; through a flat buffer the parameters view, as
+  `vector_to_parameters` leaves them; through a numpy or DLPack alias) and change any of them drop every copy of the
+  model. Not caught: such a write that changes none of the sampled entries; `LLM.reset_prefix_cache()` drops the
+  copies as well. Inference tensors (no version counter) are never packed.
 - Memory: a copy is a second copy of its weight. All copies in the process together stay under BUDGET_SHARE of the
   memory available when the first was made; beyond that, F.linear. `HF_PAGED_PACKED_LINEARS=0` turns them off.
 - A copy lives as long as its module (`_COPIES` holds modules weakly) and is shared by every engine of the model
@@ -34,6 +35,7 @@ import threading
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import logger
 from .linear_choice import BUCKET_OF, TABLE, Key
@@ -67,20 +69,24 @@ def _onednn_bf16() -> bool:
 
 
 class PackedCopy:
-    """One weight's packed copy and what it was packed from. It holds no view of the weight: a weight given new
-    storage (`model.to("cuda")`, `.data = ...`) is not kept alive by its copy."""
-    __slots__ = ("address", "version", "shape", "stride", "nbytes", "packed", "starts", "values", "__weakref__")
+    """One weight's packed copy and what it was packed from. It holds no view of the weight, only a weak reference to
+    its storage (torch's `StorageWeakRef`: the data is freed with the last tensor, but no other storage can take the
+    same identity while the copy lives), so a weight given new storage (`model.to("cuda")`, `.data = ...`) is freed
+    and a new one is never mistaken for it, even at the same address."""
+    __slots__ = ("storage", "address", "version", "shape", "stride", "dtype", "nbytes", "packed", "starts", "values",
+                 "__weakref__")
 
     def __init__(self, weight: torch.Tensor):
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+        self.storage = StorageWeakRef(weight.untyped_storage())
         self.address, self.version, self.shape = weight.data_ptr(), _version(weight), weight.shape
-        self.stride = weight.stride()
+        self.stride, self.dtype = weight.stride(), weight.dtype
         self.nbytes = weight.numel() * weight.element_size()
         numel = weight.numel()
         step = max((numel - PIECE) // (PIECES - 1), 1)
         self.starts = sorted({min(i * step, max(numel - PIECE, 0)) for i in range(PIECES)})  # the sampled runs
-        self.values = torch.cat(self.sample_views(weight)).clone()
+        self.values = _bits(torch.cat(self.sample_views(weight))).clone()
 
     def sample_views(self, weight: torch.Tensor) -> list[torch.Tensor]:
         """Views of the sampled runs of `weight` (the one this copy was packed from)."""
@@ -88,18 +94,24 @@ class PackedCopy:
         return [flat[s:s + PIECE] for s in self.starts]
 
     def same_storage(self, weight: torch.Tensor) -> bool:
-        """`weight` has the address, shape and strides this copy was packed from (its values may have changed)."""
-        return weight.data_ptr() == self.address and weight.shape == self.shape and weight.stride() == self.stride
+        """`weight` is a view of the very storage this copy was packed from, at the same place, with the same shape,
+        strides and dtype (its values may have changed)."""
+        return (weight.untyped_storage()._cdata == self.storage.cdata and weight.data_ptr() == self.address
+                and weight.shape == self.shape and weight.stride() == self.stride and weight.dtype is self.dtype)
 
     def matches(self, weight: torch.Tensor) -> bool:
-        """The weight is still what this copy was packed from (same storage, layout and version): then also still
-        `weight_packable`, which is checked only when packing."""
-        return (weight.data_ptr() == self.address and _version(weight) == self.version
-                and weight.shape == self.shape and weight.stride() == self.stride)
+        """`same_storage` and the same version: the weight is what this copy was packed from (then also still
+        `weight_packable`, which is checked only when packing)."""
+        return self.same_storage(weight) and _version(weight) == self.version
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 values as their 16-bit patterns: compared bit for bit (a NaN equals itself)."""
+    return values.view(torch.int16)
 
 
 def _version(weight: torch.Tensor) -> int:
-    """The version counter (-1 for an inference tensor, which has none: only the sampled values guard it)."""
+    """The version counter (-1 for an inference tensor, which has none: such weights are never packed)."""
     return -1 if weight.is_inference() else weight._version
 
 
@@ -126,7 +138,7 @@ def copy_for(module: torch.nn.Module, weight: torch.Tensor) -> PackedCopy | None
         return None
     with _LOCK:
         if copy is not None:
-            del _COPIES[module]
+            _COPIES.pop(module, None)  # another thread (`forget`, another engine) may have dropped it meanwhile
         need = weight.numel() * weight.element_size()
         if sum(c.nbytes for c in _COPIES.values()) + need > _budget_bytes():
             return None
@@ -157,17 +169,21 @@ def forget(modules) -> int:
 
 
 def weight_packable(weight: torch.Tensor) -> bool:
-    """A weight the packed product takes: bf16, CPU, 2-D, contiguous, a plain tensor (checked when packing; a copy
-    is used only while its weight `matches` it)."""
-    return (weight.dtype in DTYPES and weight.is_cpu and weight.dim() == 2 and weight.is_contiguous()
-            and type(weight.data) is torch.Tensor)
+    """A weight the packed product takes (checked when packing; a copy is used only while its weight `matches` it):
+    a bf16, CPU, 2-D, contiguous `Parameter` held as such (not one recomputed on every call, as pruning or a
+    parametrization makes it: that would repack on every call) and not an inference tensor (made under
+    `torch.inference_mode()`: no version counter, so an in-place edit would go unseen unless it hit a sample)."""
+    return (isinstance(weight, torch.nn.Parameter) and weight.dtype in DTYPES and weight.is_cpu
+            and weight.dim() == 2 and weight.is_contiguous() and type(weight.data) is torch.Tensor
+            and not weight.is_inference())
 
 
 def inputs_ok(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """What is checked on every call besides the copy (like `small_linear._kernel_takes`): rows of the weight's dtype
     on the CPU, a matching bias, no gradient wanted, no autocast."""
     return (rows.dtype is weight.dtype and rows.is_cpu
-            and (bias is None or (bias.dtype is weight.dtype and bias.is_cpu and bias.shape == weight.shape[:1]))
+            and (bias is None or (bias.dtype is weight.dtype and bias.is_cpu and bias.shape == weight.shape[:1]
+                                  and bias.is_contiguous()))  # oneDNN reads the bias as contiguous
             and not (torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
             and not torch.is_autocast_enabled("cpu"))
@@ -275,7 +291,7 @@ class PackedLinears:
             self._seen = [weakref.ref(c) for _, c in live]
             self._views = [v for m, c in live for v in c.sample_views(m.weight)]
             self._values = torch.cat([c.values for _, c in live])
-        if torch.equal(torch.cat(self._views), self._values):
+        if torch.equal(_bits(torch.cat(self._views)), self._values):
             return True
         self.forget()
         return False

@@ -63,6 +63,7 @@ class SmallGemm:
         fn.restype = None
         self.fn = fn
 
+    @torch.compiler.disable  # native code through raw pointers: never traced by dynamo (a compiled model)
     def __call__(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [m, k] fp32 (each row contiguous), weight [n, k] fp32 contiguous, bias [n] fp32 contiguous or None
         -> [m, n]. The caller checks all of that (`_kernel_takes`): the kernel reads raw pointers."""

@@ -9,12 +9,12 @@ F.linear kept unless the packed product is more than 5 % faster), so a CPU where
 
 Invariants:
 - Used only where `small_linear` swaps forwards (the engine's forward, in the thread that swapped them in), for a
-  plain `torch.nn.Linear` whose CPU weight is bf16, contiguous and 2-D, on inputs needing no gradient, without
-  autocast; anything else gets F.linear. The sums are F.linear's bf16 products with fp32 accumulation in another
+  plain `torch.nn.Linear` whose weight is a bf16, contiguous, 2-D CPU `Parameter` (`weight_packable`), on inputs
+  needing no gradient, without autocast, with a contiguous bias; anything else gets F.linear. The sums are F.linear's bf16 products with fp32 accumulation in another
   order (bf16 rounding flips, like any other kernel choice; fp32 models never take this path).
-- A packed copy is used only while it matches its weight: on every call the weight's address, shape and version
-  counter must equal those it was packed from (an optimizer step, `load_state_dict`, `copy_`, a cast, `.data = ...`
-  all repack), and before each forward `PackedLinears.verify` compares sample entries of every packed weight (a few
+- A packed copy is used only while it matches its weight: on every call the weight's storage (the very storage
+  object, held by a weak reference), address, shape, strides, dtype and version counter must equal those it was
+  packed from (an optimizer step, `load_state_dict`, `copy_`, a cast, `.data = ...` all repack), and before each forward `PackedLinears.verify` compares sample entries of every packed weight (a few
   short runs spread over it) with their values when packed: writes that bypass the version counter (through
   `.data`, as PEFT merges LoRA into base weights; through a flat buffer the parameters view, as
   `vector_to_parameters` leaves them; through a numpy or DLPack alias) and change any of them drop every copy of the

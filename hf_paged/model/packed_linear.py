@@ -20,8 +20,9 @@ Invariants:
   `vector_to_parameters` leaves them; through a numpy or DLPack alias) and change any of them drop every copy of the
   model. Not caught: such a write that changes none of the sampled entries; `LLM.reset_prefix_cache()` drops the
   copies as well. Inference tensors (no version counter) are never packed.
-- Memory: a copy is a second copy of its weight. All copies in the process together stay under BUDGET_SHARE of the
-  memory available when the first was made; beyond that, F.linear. `HF_PAGED_PACKED_LINEARS=0` turns them off.
+- Memory: a copy is a second copy of its weight (oneDNN pads small ones: counted as packed). All copies in the
+  process together stay under BUDGET_SHARE of the memory available when the first was made; beyond that, F.linear.
+  `HF_PAGED_PACKED_LINEARS=0` turns them off.
 - A copy lives as long as its module (`_COPIES` holds modules weakly) and is shared by every engine of the model
   (`model.generate(...)` builds an engine per call: no repacking per call). It holds no view of its weight, so a
   weight given new storage (`model.to("cuda")`) is freed; the copy itself goes at the next forward's check, with
@@ -82,7 +83,7 @@ class PackedCopy:
         self.storage = StorageWeakRef(weight.untyped_storage())
         self.address, self.version, self.shape = weight.data_ptr(), _version(weight), weight.shape
         self.stride, self.dtype = weight.stride(), weight.dtype
-        self.nbytes = weight.numel() * weight.element_size()
+        self.nbytes = _packed_bytes(self.packed, weight)
         numel = weight.numel()
         step = max((numel - PIECE) // (PIECES - 1), 1)
         self.starts = sorted({min(i * step, max(numel - PIECE, 0)) for i in range(PIECES)})  # the sampled runs
@@ -103,6 +104,14 @@ class PackedCopy:
         """`same_storage` and the same version: the weight is what this copy was packed from (then also still
         `weight_packable`, which is checked only when packing)."""
         return self.same_storage(weight) and _version(weight) == self.version
+
+
+def _packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:
+    """The memory the packed copy takes: oneDNN pads small weights (a [1, 4096] bf16 weight's copy takes 256 KiB)."""
+    try:
+        return int(torch.ops.mkldnn._nbytes(packed))
+    except (AttributeError, RuntimeError):
+        return weight.numel() * weight.element_size()
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
@@ -139,14 +148,16 @@ def copy_for(module: torch.nn.Module, weight: torch.Tensor) -> PackedCopy | None
     with _LOCK:
         if copy is not None:
             _COPIES.pop(module, None)  # another thread (`forget`, another engine) may have dropped it meanwhile
-        need = weight.numel() * weight.element_size()
-        if sum(c.nbytes for c in _COPIES.values()) + need > _budget_bytes():
+        taken = sum(c.nbytes for c in _COPIES.values())
+        if taken + weight.numel() * weight.element_size() > _budget_bytes():  # at least the weight's own size
             return None
         try:
             copy = PackedCopy(weight)
         except (RuntimeError, MemoryError) as error:  # oneDNN refused it or no memory for it: F.linear, as without
             _warn_once(f"hf_paged: no packed copy of a {tuple(weight.shape)} {weight.dtype} weight ({error}); "
                        f"its linear runs F.linear")
+            return None
+        if taken + copy.nbytes > _budget_bytes():  # padded beyond the budget: not kept
             return None
         _COPIES[module] = copy
         return copy

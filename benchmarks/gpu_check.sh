@@ -6,7 +6,7 @@
 # 1. versions (nvidia-smi, torch, triton, transformers, flash libraries); transformers >= 5.24 is needed: wheels
 #    carried in $GPU_CHECK_WHEELS (default .whl/: transformers and what it needs that the machine lacks) are
 #    installed first into a separate folder put in front on PYTHONPATH (pip --no-index --no-deps --target)
-# 2. ceilings: device copy GB/s, pinned host<->device GB/s, bf16 matmul TFLOP/s      (benchmarks/gpu_bench.py)
+# 2. ceilings: device copy GB/s, pinned host<->device GB/s, bf16 matmul TFLOP/s      (hf_paged/bench/gpu_check.py)
 # 3. the csrc/ CUDA extension: the torch build (timed) and the ptxas report (tests/test_cuda_build.py)
 # 4. pytest -m gpu (tests/test_gpu.py: every available backend vs the float64 reference, the CUDA kernels)
 # 5. decode attention per backend as achieved GB/s vs the copy ceiling
@@ -86,28 +86,29 @@ print('transformers >= 5.24:', (major, minor) >= (5, 24))
 EOF"
 
 # 2. ceilings
-step ceilings 60 $PY benchmarks/gpu_bench.py ceilings "$OUTDIR"
+step ceilings 60 $PY -m hf_paged.bench.gpu_check ceilings "$OUTDIR"
 
 # 3. the CUDA extension (the ptxas report needs no GPU: tests/test_cuda_build.py runs it wherever nvcc is)
 step build 180 bash -c "time $PY -m hf_paged.attention.cuda_backend"
 
 # 4. GPU tests: the engine-level ones (short); the kernel matrix runs last
-GPU_PYTEST="$PY -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider -rs --durations=8"
+# -o addopts=: the project's "-n 2" needs pytest-xdist, which a device image may lack (and GPU tests run in one process)
+GPU_PYTEST="$PY -m pytest -q -s -m gpu tests/test_gpu.py -p no:cacheprovider -o addopts= -rs --durations=8"
 step pytest_engine 150 $GPU_PYTEST -k "not matches_float64 and not decode_kernel_variants" --maxfail=10
 
 # 5-8. measurements, then the kernel matrix with what time is left
-step decode 60 $PY benchmarks/gpu_bench.py decode "$OUTDIR"
-step swap 45 $PY benchmarks/gpu_bench.py swap "$OUTDIR"
-step engine 150 $PY benchmarks/gpu_bench.py engine "$OUTDIR"
-step parity 90 $PY benchmarks/gpu_bench.py parity "$OUTDIR"
-step profile 120 $PY benchmarks/gpu_bench.py profile "$OUTDIR"
+step decode 60 $PY -m hf_paged.bench.gpu_check decode "$OUTDIR"
+step swap 45 $PY -m hf_paged.bench.gpu_check swap "$OUTDIR"
+step engine 150 $PY -m hf_paged.bench.gpu_check engine "$OUTDIR"
+step parity 90 $PY -m hf_paged.bench.gpu_check parity "$OUTDIR"
+step profile 120 $PY -m hf_paged.bench.gpu_check profile "$OUTDIR"
 step pytest_kernels 150 $GPU_PYTEST -k "matches_float64 or decode_kernel_variants" --maxfail=20
 
 # 9. summary
 echo
 echo "=== summary"
 {
-    $PY benchmarks/gpu_bench.py table "$OUTDIR"
+    $PY -m hf_paged.bench.gpu_check table "$OUTDIR"
     echo
     echo "steps (OUTDIR/<step>.log):"
     printf '  %s\n' "${STATUS[@]}"

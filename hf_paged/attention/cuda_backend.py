@@ -15,8 +15,8 @@ it when this module is imported instead of on the first attention call, and
 `python -m hf_paged.attention.cuda_backend` does the same and prints the status.
 
 Besides `paged_attention` (the decode kernel): `copy_blocks` (copy-on-write block copies on the device, and host <->
-device swaps from pinned host memory in one launch; benchmarks/gpu_bench.py measures it against kv/swap.py's copies)
-and `decode_plan` (the partition plan the decode kernel would use).
+device swaps from pinned host memory in one launch; the GPU check (bench/gpu_check.py swap) measures it against
+kv/swap.py's copies) and `decode_plan` (the partition plan the decode kernel would use).
 """
 from __future__ import annotations
 

@@ -4,9 +4,10 @@
 `main(argv: list[str] | None = None) -> int` (argv: its options, without the name) that runs its measurements in worker
 processes (`python -m hf_paged.bench.NAME --worker ...`; shared helpers in common.py). Results go to `--json`
 (default: a file in the current folder). The others run as `python -m hf_paged.bench.NAME`: pipeline and
-hybrid_prefix (benchmarks), soak (the soak test, with soak_*.py) and models_census (every transformers architecture,
-with census_layers.py). Recorded results live in the source repository's benchmarks/results/, beside the GPU check
-(benchmarks/gpu_check.sh).
+hybrid_prefix (benchmarks), soak (the soak test, with soak_*.py), models_census (every transformers architecture,
+with census_layers.py) and gpu_check (the GPU session's measurements, with gpu_engine.py and gpu_parity.py; the
+source repository's benchmarks/gpu_check.sh runs each of its steps under a time limit). Recorded results live in
+benchmarks/results/ of the source repository.
 """
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ def check_memory_budget(spec: KVCacheSpec, config: EngineConfig, num_blocks: int
 def swap_copy(device: torch.device, attention_backend: str) -> BlockCopy:
     """How swaps move blocks: on CUDA, the extension's copy kernel (one launch however scattered the blocks; 48-51 GB/s
     between an H200 and pinned host memory, against 1.2-6.8 GB/s for torch copies run by run, in
-    benchmarks/gpu_bench.py swap) when the attention backend may build the extension anyway ("auto", "cuda") and it
+    hf_paged/bench/gpu_check.py swap) when the attention backend may build the extension anyway ("auto", "cuda") and it
     builds; else torch copies (kv.swap.copy_blocks), so that no other backend's engine waits for an nvcc build."""
     if device.type == "cuda" and attention_backend in ("auto", "cuda") and cuda_backend.unavailable_reason(device) is None:
         return cuda_backend.copy_blocks

@@ -1,11 +1,23 @@
-"""The parity step of benchmarks/gpu_bench.py: hf_paged's generate take-over vs HF generate on the GPU."""
+"""The parity step of the GPU check (gpu_check.py): hf_paged's generate take-over vs HF generate on the GPU. It
+borrows the test suite's helpers (tests/conftest.py of the source checkout this package runs from)."""
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from conftest import fp32_divergences, left_padded_batch  # noqa: E402
+TESTS = Path(__file__).resolve().parents[2] / "tests"
+
+
+def suite_helpers():
+    """tests/conftest.py of the checkout (loaded under its own name, not as `conftest`, so a pytest run in the same
+    process keeps its own); a clear error from an installed package, which has no tests/."""
+    path = TESTS / "conftest.py"
+    if not path.is_file():
+        raise RuntimeError(f"the GPU parity step needs the source checkout's tests/conftest.py (looked in {TESTS})")
+    spec = importlib.util.spec_from_file_location("hf_paged_suite_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 PARITY_ARCHS = ("llama", "qwen3", "gemma2", "gpt2", "mixtral")
 
@@ -20,7 +32,7 @@ def parity(outdir: Path) -> dict:
 
     lengths = [5, 17, 40, 3, 64, 90, 33, 8]
     width = max(lengths)
-    ids, mask = (t.cuda() for t in left_padded_batch(lengths))
+    ids, mask = (t.cuda() for t in suite_helpers().left_padded_batch(lengths))
     options = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False)
     rows = []
     for arch in PARITY_ARCHS:
@@ -52,4 +64,4 @@ def parity(outdir: Path) -> dict:
 def explain_divergences(model, prompts, rows_a, rows_b, limit: int = 16) -> list:
     """For the first `limit` rows: where rows_a and rows_b part, the float32 gap between the two tokens chosen and
     the bf16 spacing of the top logit (tests/conftest.py's fp32_divergences)."""
-    return fp32_divergences(model, prompts[:limit], rows_a[:limit], rows_b[:limit])
+    return suite_helpers().fp32_divergences(model, prompts[:limit], rows_a[:limit], rows_b[:limit])

@@ -1,11 +1,12 @@
-"""Parts of benchmarks/gpu_bench.py engine: HF padded generate on the same work, and the engine step by step."""
+"""Parts of the GPU check's engine step (gpu_check.py): HF padded generate on the same work, and the engine step by
+step."""
 from __future__ import annotations
 
 import random
 import statistics
 import time
 
-from gpu_parity import explain_divergences
+from .gpu_parity import explain_divergences
 
 
 def step_times(llm, prompts, params) -> dict:
@@ -123,7 +124,8 @@ def engine_phases(model, prompts, max_tokens: int, outdir, **options) -> dict:
         for _ in range(3):  # the prefill steps
             engine.step()
         sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
             for _ in range(5):
                 engine.step()
             sync()
@@ -142,7 +144,7 @@ def engine_phases(model, prompts, max_tokens: int, outdir, **options) -> dict:
 
 
 def llama_and_prompts(model_config: dict, requests: int):
-    """gpu_bench's random Llama (bf16, on the GPU) and its `requests` prompts of 128-512 random tokens (seed 0)."""
+    """gpu_check's random Llama (bf16, on the GPU) and its `requests` prompts of 128-512 random tokens (seed 0)."""
     import torch
 
     from hf_paged.tiny import tiny_model
@@ -167,6 +169,6 @@ def timed_generate(llm, prompts, params) -> tuple[float, list]:
 
 
 def profile(outdir, requests: int, model_config: dict) -> dict:
-    """The engine's step on the ~1.1B Llama of gpu_bench (bf16), phase by phase, graphs on and off."""
+    """The engine's step on the ~1.1B Llama of gpu_check (bf16), phase by phase, graphs on and off."""
     model, prompts = llama_and_prompts(model_config, requests)
     return engine_phases(model, prompts, 32, outdir)

@@ -1,4 +1,5 @@
-"""GPU measurements for benchmarks/gpu_check.sh, one subcommand per step (each writes OUTDIR/<step>.json):
+"""GPU measurements for benchmarks/gpu_check.sh, one subcommand per step (each writes OUTDIR/<step>.json), run as
+`python -m hf_paged.bench.gpu_check STEP OUTDIR` from the source checkout (parity reads its tests/conftest.py):
 
     ceilings  device<->device copy GB/s, pinned host<->device GB/s, bf16 matmul TFLOP/s (8192^3)
     decode    decode attention per available backend: batch 64, context 2048, 32 query / 8 KV heads, head_dim 128,
@@ -29,13 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's hf_paged, installed or not
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_parity.py and gpu_engine_parts.py beside this file
-from hf_paged.bench.common import format_table  # noqa: E402
-from gpu_parity import parity  # noqa: E402
-from gpu_engine_parts import (hf_padded_generate, llama_and_prompts, profile, step_times,  # noqa: E402
-                              timed_generate)
+from .common import format_table
+from .gpu_engine import hf_padded_generate, llama_and_prompts, profile, step_times, timed_generate
+from .gpu_parity import parity
 
 
 def _cuda():
@@ -272,12 +269,12 @@ def engine(outdir: Path, requests: int, max_tokens: int) -> dict:
 
     hf_tokens: list = []
     try:
-        from transformers import GenerationConfig
+        from hf_paged.tiny import generate_batch_configs
 
         hf_paged.disable()
-        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-        model.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
-            max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0), progress_bar=False, warmup=False)
+        config, _ = generate_batch_configs(max_tokens)
+        model.generate_batch(inputs=prompts[:2], generation_config=generate_batch_configs(4)[0], progress_bar=False,
+                             warmup=False)
         torch.cuda.synchronize()
         start = time.perf_counter()
         hf_out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False, warmup=False)
@@ -349,13 +346,13 @@ def table(outdir: Path) -> str:
     return "\n\n".join(lines) if lines else "no results"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_paged.bench.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("step", choices=("ceilings", "decode", "swap", "engine", "parity", "profile", "table"))
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.step == "table":
         print(table(args.outdir))
         return 0

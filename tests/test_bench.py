@@ -29,7 +29,7 @@ def test_options_pass_through(capsys):
 
 
 def test_throughput_smoke_from_another_folder(tmp_path):
-    """Workers run as `python -m hf_paged.bench.throughput`; no --json: the file lands in the current folder."""
+    """--small runs in the CLI's own process; no --json: the file lands in the current folder."""
     proc = subprocess.run([sys.executable, "-m", "hf_paged.cli", "bench", "throughput", "--small", "--systems",
                            "hf_paged", "--requests", "2", "--max-tokens", "2", "--threads", "1"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
@@ -96,7 +96,7 @@ def test_throughput_hybrid_smoke(tmp_path, monkeypatch):
         return emitted.pop()
 
     monkeypatch.setattr(throughput, "run_worker", in_process)
-    # the full run's path (a worker per system and round) on the --small sizes (--small itself runs one worker)
+    # the full run's path (a worker per system and round) on the --small sizes (--small itself runs in-process)
     monkeypatch.setitem(throughput.HYBRID_SETUPS, "qwen3_5_text", (throughput.HYBRID_SETUPS["qwen3_5_text"][1],) * 2)
     threads = torch.get_num_threads()
     try:

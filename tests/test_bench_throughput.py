@@ -36,7 +36,7 @@ def test_prompts():
 def test_defaults(monkeypatch, argv, systems, requests, max_tokens):
     seen = []
     monkeypatch.setattr(throughput, "worker", lambda args, setup: seen.append(args))
-    assert throughput.main([*argv, "--worker", "all"]) == 0
+    assert throughput.main([*argv, "--worker", "matmul"]) == 0
     (args,) = seen
     assert args.systems == systems and args.requests == requests and args.max_tokens == max_tokens
 
@@ -64,6 +64,25 @@ def test_measure_on_a_tiny_model(restore):
     assert paged["tokens"] == padded["tokens"]
     assert "small_linears" in paged and "small_linears" not in padded
     assert set(paged["small_linears"]) == {"status", "choices"}
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_small_runs_in_this_process_and_puts_back_what_it_changed(restore, enabled):
+    """--small needs no worker (this process has imported transformers already); the take-over's state and the
+    thread count are as before, whatever the systems switched; the results are plain JSON values, as a worker's."""
+    import torch
+
+    (hf_paged.enable if enabled else hf_paged.disable)()
+    torch.set_num_threads(2)
+    args = SimpleNamespace(arch="llama", dtype="float32", max_tokens=3, threads=1, requests=[2],
+                           systems=["hf_paged", "hf_padded"])
+    out = throughput.small_in_process(args, TINY)
+    assert hf_paged.is_enabled() is enabled and torch.get_num_threads() == 2
+    assert out["matmul"]["threads"] == 1 and out["matmul"]["gflops"] > 0
+    assert [(r["system"], r["requests"], r["threads"]) for r in out["results"]] == [("hf_paged", 2, 1),
+                                                                                   ("hf_padded", 2, 1)]
+    assert out["results"][0]["tokens"] == out["results"][1]["tokens"]
+    assert out == json.loads(json.dumps(out))
 
 
 def worker_result(system, n, seconds, tokens, cpu=None):

@@ -7,8 +7,8 @@ Full run (takes a while; use a quiet machine):
     hf-paged bench throughput --repeats 3         # 3 interleaved rounds: each system's fastest, paired ratios
 
 Quick smoke test: `hf-paged bench throughput --small` (hidden 128, 2 layers, vocab 1000, 4 and 8 requests,
-8 new tokens): every system in one worker process per round (importing transformers costs more than such runs; the
-full runs give each system a fresh process), about 10 s and 0.8 GB on a 2-core machine.
+8 new tokens): every system in the calling process, no worker (importing transformers again would cost more than
+such runs; the full runs give each system a fresh process), about 10 s and 0.9 GB on a 2-core machine.
 
 `--arch qwen3_5_text`: a random Qwen3.5-shaped hybrid instead (hidden 512, 8 layers 3 Gated DeltaNet : 1 full
 attention, 8 heads / 2 KV heads of 64, linear attention 4 key / 8 value heads of 64, intermediate 1024, vocab 32000;
@@ -38,6 +38,7 @@ FLOPs = 2*non-embedding params*(prompt+output tokens) + 2*lm_head params*output 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -148,13 +149,32 @@ def worker(args, setup: dict) -> None:
     threads = set_threads(args.threads)
     if args.worker == "matmul":
         emit_result({"gflops": matmul_gflops(dtype=args.dtype), "threads": threads})
-    elif args.worker == "all":  # --small: every system and request count in this one process (a smoke run)
-        emit_result({"matmul": {"gflops": matmul_gflops(dtype=args.dtype), "threads": threads},
-                     "results": [measure(system, n, args, setup, threads)
-                                 for system in sorted(args.systems, key=lambda name: name != "hf_paged")
-                                 for n in args.requests]})
     else:
         emit_result(measure(args.worker, args.requests[0], args, setup, threads))
+
+
+def measure_all(args, setup: dict, threads: int) -> dict:
+    """The matmul ceiling and every system at every request count, in this process (hf_paged's systems first)."""
+    return {"matmul": {"gflops": matmul_gflops(dtype=args.dtype), "threads": threads},
+            "results": [measure(system, n, args, setup, threads)
+                        for system in sorted(args.systems, key=lambda name: name != "hf_paged")
+                        for n in args.requests]}
+
+
+def small_in_process(args, setup: dict) -> dict:
+    """--small's round in the calling process: it has imported transformers already (the CLI imports hf_paged), and
+    a worker would spend longer importing it again than running the whole smoke workload. The take-over's state and
+    torch's thread count are put back afterwards; the result goes through JSON as a worker's would."""
+    import torch
+
+    import hf_paged
+
+    was_enabled, threads = hf_paged.is_enabled(), torch.get_num_threads()
+    try:
+        return json.loads(json.dumps(measure_all(args, setup, set_threads(args.threads))))
+    finally:
+        torch.set_num_threads(threads)
+        (hf_paged.enable if was_enabled else hf_paged.disable)()
 
 
 def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
@@ -201,12 +221,12 @@ def _measure(system: str, n: int, common_args: list[str], timeout: float, round_
         return {"system": system, "requests": n, "error": str(exc)}
 
 
-def _small_rounds(args, common_args: list[str]) -> tuple[dict, list[dict]]:
-    """--small: each round one worker process runs every system and request count; each system's fastest round."""
+def _small_rounds(args, setup: dict) -> tuple[dict, list[dict]]:
+    """--small: each round runs every system and request count in this process (`small_in_process`; no --timeout);
+    each system's fastest round."""
     runs, matmul = {}, None
     for round_index in range(args.repeats):
-        out = run_worker(["-m", MODULE, "--worker", "all", "--requests", *map(str, args.requests), "--systems",
-                          *args.systems, *common_args], timeout=args.timeout)
+        out = small_in_process(args, setup)
         matmul = matmul or out["matmul"]
         for r in out["results"]:
             rounds = f" (round {round_index + 1}/{args.repeats})" if args.repeats > 1 else ""
@@ -247,7 +267,7 @@ def parse_args(argv: list[str] | None):
                              "in this dtype)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of every system, interleaved; each system's fastest round is reported")
-    add_common_args(parser, "throughput", (*SYSTEMS, *EXTRA, "matmul", "all"), timeout=3600,
+    add_common_args(parser, "throughput", (*SYSTEMS, *EXTRA, "matmul"), timeout=3600,
                     plot_help="output tok/s against the number of requests")
     args = parser.parse_args(argv)
     setup = workload(args.arch, args.small)
@@ -266,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args, setup)
         return 0
     load_before = machine_load()
-    matmul, results = collect(args)
+    matmul, results = _small_rounds(args, setup) if args.small else collect(args)
     print(f"{args.dtype} matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads",
           flush=True)
     params = next((r["params"] for r in results if "params" in r), None)
@@ -292,8 +312,6 @@ def collect(args) -> tuple[dict, list[dict]]:
     common_args = ["--max-tokens", str(args.max_tokens), "--arch", args.arch, "--dtype", args.dtype] \
         + (["--small"] if args.small else []) \
         + (["--threads", str(args.threads)] if args.threads else [])
-    if args.small:  # a smoke run: one process per round for everything (imports dominate such tiny runs)
-        return _small_rounds(args, common_args)
     matmul = run_worker(["-m", MODULE, "--worker", "matmul", *common_args], timeout=args.timeout)
     results = []
     for n in args.requests:

@@ -66,6 +66,24 @@ def test_measure_on_a_tiny_model(restore):
     assert set(paged["small_linears"]) == {"status", "choices"}
 
 
+def test_the_warm_up_has_the_timed_calls_size(restore, monkeypatch):
+    """One-time costs of the timed call's shapes (hf_paged's few-row linear probes, oneDNN's set-up) fall in the
+    warm-up: as many prompts as the timed call, other ones (no prefix-cache hits), 4 new tokens."""
+    calls = []
+
+    def recording(model):
+        def run(prompts, max_tokens):
+            calls.append((prompts, max_tokens))
+            return [[0] * max_tokens for _ in prompts]
+        return run
+
+    monkeypatch.setattr(throughput, "padded_runner", recording)
+    throughput.measure("hf_padded", 5, SimpleNamespace(arch="llama", dtype="float32", max_tokens=3), TINY, 1)
+    (warm, warm_tokens), (timed, timed_tokens) = calls
+    assert (len(warm), warm_tokens, len(timed), timed_tokens) == (5, 4, 5, 3)
+    assert not set(map(tuple, warm)) & set(map(tuple, timed))
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_small_runs_in_this_process_and_puts_back_what_it_changed(restore, enabled):
     """--small needs no worker (this process has imported transformers already); the take-over's state and the

@@ -2,7 +2,7 @@
 same tokens) and the table's rows."""
 from types import SimpleNamespace
 
-from hf_paged.bench.throughput_report import summarise
+from hf_paged.bench.throughput_report import print_round_differences, summarise
 
 
 def test_speed_ups_limit_share_and_same_tokens():
@@ -39,3 +39,10 @@ def test_small_linear_table_shows_the_products_each_worker_measured(capsys):
                               "us", "packed", "us", "F.linear", "us", "probe", "ms"]
     row = next(line for line in lines if line.startswith("32000x512"))
     assert row.split() == ["32000x512", "bfloat16", "64", "1", "packed", "-", "-", "1400.00", "2500.00", "9.00"]
+
+
+def test_rounds_that_disagree_on_tokens_are_printed(capsys):
+    print_round_differences([{"system": "hf_padded", "requests": 4},
+                             {"system": "hf_paged", "requests": 64, "round_rows_differ": [0, 3]}])
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "hf_paged 64 requests" in out and "round by round: 0 3" in out

@@ -241,7 +241,9 @@ def _small_rounds(args, setup: dict) -> tuple[dict, list[dict]]:
 
 def _best_of(system: str, n: int, measured: list[dict]) -> dict:
     """One system's rounds at one request count: the fastest run (timeit's rule: noise only ever adds time),
-    with every round's seconds kept. A failure in any round is the result."""
+    with every round's seconds kept. A failure in any round is the result. Rounds whose tokens differ are reported
+    (`round_rows_differ`: per round, the rows unlike the fastest round's), not an error: each round is a process that
+    chose its few-row products afresh, and other products round differently (bf16 flips on near ties)."""
     failed = [r for r in measured if "error" in r]
     if failed:
         return failed[0]
@@ -251,8 +253,9 @@ def _best_of(system: str, n: int, measured: list[dict]) -> dict:
     best["peak_rss_mb"] = max(r["peak_rss_mb"] for r in measured)
     if "small_linears" in best:  # each round is a process of its own that measured afresh
         best["round_small_linear_paths"] = [_linear_paths(r) for r in measured]
-    if any(r["tokens"] != best["tokens"] for r in measured):
-        raise RuntimeError(f"{system} gave different tokens in different rounds at {n} requests")
+    differ = [sum(a != b for a, b in zip(r["tokens"], best["tokens"])) for r in measured]
+    if any(differ):
+        best["round_rows_differ"] = differ
     return best
 
 

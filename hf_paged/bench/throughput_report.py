@@ -101,6 +101,15 @@ def _annotate(r: dict, n: int, output_tokens: int, group: dict, reference, limit
             r["vs_hf_padded_cpu"], r["vs_hf_generate_batch"], None if pct is None else f"{100 * pct:.1f}%", same]
 
 
+def print_round_differences(results: list[dict]) -> None:
+    """A line per result whose rounds disagreed on tokens (`round_rows_differ`)."""
+    for r in results:
+        if differ := r.get("round_rows_differ"):
+            print(f"  {r['system']} {r['requests']} requests: rows whose tokens differ from its fastest round's, "
+                  f"round by round: {' '.join(map(str, differ))} (each round chose its products afresh: other "
+                  f"rounding, flips on near ties)")
+
+
 def print_report(args, report: dict, rows: list, path) -> None:
     params, limits, results = report["params"], report["matmul_limit_tok_per_s"], report["results"]
     if params:
@@ -125,4 +134,5 @@ def print_report(args, report: dict, rows: list, path) -> None:
             if cpu := r.get("vs_hf_padded_cpu_per_round"):
                 print(f"  hf_paged x hf_padded, CPU s {r['requests']:>3} requests: "
                       + " ".join(f"{v:.2f}" for v in cpu) + f"  (median {statistics.median(cpu):.2f})")
+        print_round_differences(results)
     print_small_linears(results)

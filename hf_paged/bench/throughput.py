@@ -30,8 +30,9 @@ Systems:
 "CPU s" is the worker's process CPU time over the timed call (time.process_time): with --threads 1 it hardly moves
 when other work shares the machine, while wall seconds do; the JSON also records the load average before and after.
 Each (system, request count) runs in its own subprocess (same seed => identical weights and prompts), does a
-warm-up of the same size (as many other prompts, 4 new tokens: what happens once per shape, such as oneDNN's set-up
-or hf_paged's few-row linear probes, whose cost the table reports, stays out of the timing for every system), then
+warm-up of the same shape (prompts of the same lengths, other tokens, 4 new tokens: what happens once per shape, such
+as oneDNN's set-up or hf_paged's few-row linear probes, whose cost the table reports, stays out of the timing for
+every system), then
 times one call with time.perf_counter; engine construction (LLM(...)) is outside the timing, generate_batch's
 per-call manager start-up is inside it (that is its API). Peak RSS is
 the worker's ru_maxrss. "matmul limit" = output tokens / (workload FLOPs / best fp32 1024^3 matmul FLOP/s),
@@ -97,6 +98,12 @@ def make_prompts(count: int, vocab: int, low: int, high: int, seed: int = SEED) 
     """Deterministic random prompts (ids 3.. avoid pad/bos/eos); stdlib only so the parent stays torch-free."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def other_tokens(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
+    """Prompts of the same lengths as `prompts`, with other random tokens (ids 3..)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in prompt] for prompt in prompts]
 
 
 # --- worker side ---------------------------------------------------------------------------------------
@@ -193,10 +200,11 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
     runner = {"hf_paged": paged_runner, "hf_padded": padded_runner, "hf_generate_batch": generate_batch_runner,
               "hf_generate_batch_sized": lambda m: generate_batch_runner(m, sized=True)}[system](model)
     vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]
-    # warm-up at the timed call's size (other prompts, 4 new tokens): one-time costs of its shapes stay out of the
-    # timing for every system alike (oneDNN's per-shape set-up; hf_paged's few-row linear probes and packed copies)
-    runner(make_prompts(n, vocab, low, high, seed=SEED + 1), 4)
     prompts = make_prompts(n, vocab, low, high)
+    # warm-up on prompts of the timed ones' lengths, other tokens (no prefix-cache hits), 4 new tokens: one-time costs
+    # of the timed call's shapes stay out of its timing for every system alike (oneDNN's per-shape set-up; hf_paged's
+    # few-row linear probes for each row bucket its steps reach, and packed copies)
+    runner(other_tokens(prompts, vocab, seed=SEED + 1), 4)
     start, cpu_start = time.perf_counter(), time.process_time()
     tokens = runner(prompts, args.max_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start

@@ -176,6 +176,14 @@ class SampleResult:
     logprobs: list[dict[int, float] | None]
 
 
+def picks_by_argmax(params: SamplingParams, banned: list[int]) -> bool:
+    """Whether `Sampler` gives this request the first maximum of its raw logits and nothing else (greedy; no
+    repetition, presence or frequency penalty; no banned token this step; no log-probs): then only that index is
+    needed, not the logits (`model.greedy_head`)."""
+    return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0 and params.frequency_penalty == 0 and not banned)
+
+
 ARGMAX_BLOCK = 128  # vocabulary entries per block of `first_argmax`
 ARGMAX_BLOCKED_FROM = 1 << 16  # logits entries from which the blocked form pays for its half-dozen extra ops
 

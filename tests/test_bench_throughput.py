@@ -172,9 +172,10 @@ def choice(shape, rows, path):
 def test_small_linear_paths_and_table(capsys):
     r = {"requests": 4, "small_linears": {"status": "native kernel, W @ x^T or F.linear; chosen: ...",
                                           "choices": [choice([64, 32], 4, "kernel"), choice([300, 32], 1, "w_xt")]}}
-    assert throughput_report._linear_paths(r) == {"64x32 rows<=4 threads=1": "kernel", "300x32 rows<=1 threads=1": "w_xt"}
+    assert throughput_report._linear_paths(r) == {"64x32 float32 rows<=4 threads=1": "kernel",
+                                                  "300x32 float32 rows<=1 threads=1": "w_xt"}
     assert throughput_report._linear_paths({}) == {}
-    r["round_small_linear_paths"] = [throughput_report._linear_paths(r), {"64x32 rows<=4 threads=1": "f_linear"}]
+    r["round_small_linear_paths"] = [throughput_report._linear_paths(r), {"64x32 float32 rows<=4 threads=1": "f_linear"}]
     throughput_report.print_small_linears([r, {"requests": 8}])
     out = capsys.readouterr().out
     assert "4 requests (fastest round; rounds chose differently): native kernel, W @ x^T or F.linear\n" in out

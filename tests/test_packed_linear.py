@@ -305,7 +305,7 @@ def test_a_nan_in_a_sampled_entry_is_no_change(forced, monkeypatch):
     """Samples compare bit for bit: a NaN weight entry does not drop and repack every copy at every forward."""
     packs = []
     real = packed_linear.PackedCopy.__init__
-    monkeypatch.setattr(packed_linear.PackedCopy, "__init__", lambda self, w: (packs.append(1), real(self, w))[1])
+    monkeypatch.setattr(packed_linear.PackedCopy, "__init__", lambda self, w, cast=None: (packs.append(1), real(self, w, cast))[1])
     net = make()
     with torch.no_grad():
         net.proj.weight.view(-1)[0] = float("nan")

@@ -55,7 +55,7 @@ def test_forked_samples_take_their_parents_row(runner, monkeypatch):
     plan = StepPlan(requests=[parent, other], num_new_tokens=[3, 2], sampled=[parent, other, child],
                     sample_sources=[0, 1, 0])
 
-    def execute(inputs):  # no forward: sampled row j's logits peak at the packed row it came from
+    def execute(inputs, greedy=None):  # no forward: sampled row j's logits peak at the packed row it came from
         rows = inputs.sample_rows.tolist()
         logits = torch.zeros(len(rows), 16)
         logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
@@ -64,3 +64,25 @@ def test_forked_samples_take_their_parents_row(runner, monkeypatch):
     monkeypatch.setattr(runner, "execute", execute)
     outcome = runner.run(plan, Sampler(torch.device("cpu"), seed=0))
     assert [r.token for r in outcome.results] == [2, 4, 2]
+
+
+def test_forked_samples_take_their_parents_pick(runner, monkeypatch):
+    """The same when the LM head gave picks instead of logits (model/greedy_head.py)."""
+    parent, other = make([5, 6, 7], [3]), make([8, 9], [4])
+    child = make([5, 6, 7], [3])
+    plan = StepPlan(requests=[parent, other], num_new_tokens=[3, 2], sampled=[parent, other, child],
+                    sample_sources=[0, 1, 0])
+
+    class Step:
+        token_ids = None
+
+    step = Step()
+
+    def execute(inputs, greedy=None):
+        greedy.token_ids = inputs.sample_rows.clone()  # sampled row j picks the packed row it came from
+        return None
+
+    monkeypatch.setattr(runner, "greedy_step", lambda plan, inputs: step)
+    monkeypatch.setattr(runner, "execute", execute)
+    outcome = runner.run(plan, Sampler(torch.device("cpu"), seed=0))
+    assert [r.token for r in outcome.results] == [2, 4, 2] and runner.greedy_picks == 1

@@ -9,7 +9,8 @@ from .common import format_table
 
 def _linear_paths(result: dict) -> dict[str, str]:
     """A worker's small-linear choices as {"out x in rows<=b threads=t": path}."""
-    return {f"{c['shape'][0]}x{c['shape'][1]} rows<={c['rows']} threads={c['threads']}": c["path"]
+    return {f"{c['shape'][0]}x{c['shape'][1]} {c.get('dtype', 'float32')} rows<={c['rows']} threads={c['threads']}":
+            c["path"]
             for c in result.get("small_linears", {}).get("choices", [])}
 
 
@@ -33,8 +34,10 @@ def print_small_linears(results: list[dict]) -> None:
                                 *(f"{PRODUCT_LABELS[name]} us" for name in names), "probe ms"], rows))
 
 
-# the products a measured linear chooses from: fp32 (model/small_linear.py) and bf16 (model/packed_linear.py)
-PRODUCT_LABELS = {"kernel": "kernel", "w_xt": "W @ x^T", "packed": "packed", "f_linear": "F.linear"}
+# the products a measured linear chooses from: fp32 (model/small_linear.py) and bf16 (model/packed_linear.py); a
+# greedy step's LM head (dtype "greedy", model/greedy_head.py): its bf16 screen or its usual product and the argmax
+PRODUCT_LABELS = {"kernel": "kernel", "w_xt": "W @ x^T", "packed": "packed", "f_linear": "F.linear",
+                  "screen": "greedy screen", "logits": "head + argmax"}
 
 
 def _paired_ratios(results: list[dict], n: int, system: str, base: str) -> list[float] | None:

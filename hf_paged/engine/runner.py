@@ -14,9 +14,9 @@ from ..kv.slots import slots_of
 from ..model import (ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock, paged_attention_active,
                      require_enabled)
 from ..model.state_layers import StateStep
-from ..sampling import Sampler
+from ..sampling import Sampler, picks_by_argmax
 from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
-from .plan import StepOutcome, StepPlan
+from .plan import Sampled, StepOutcome, StepPlan
 from .sample_step import sample_step
 
 
@@ -56,18 +56,39 @@ class ModelRunner:
         self.num_attention_layers = len(spec.kv.stored_layers)  # calls a forward makes (the start-up check's count)
         # decode-only steps padded to a bucket and replayed as CUDA graphs (None: every step eager; see cuda_graphs.py)
         self.graphs = DecodeGraphRunner(self, graphs) if graphs is not None else None
+        # whether the model hands its LM head's output back as its logits untouched (None: not seen yet), so that
+        # greedy steps may ask the head for picks instead of logits (model/greedy_head.py)
+        self.head_gives_logits: bool | None = None
+        self.greedy_picks = 0  # steps whose tokens came from the head's picks
 
     def run(self, plan: StepPlan, sampler: Sampler) -> StepOutcome:
         """Forward pass and sampling for one step (the plan's block moves have run)."""
         started = time.perf_counter()
         inputs = self.prepare(plan)
-        logits = self.execute(inputs)
+        greedy = self.greedy_step(plan, inputs)
+        logits = self.execute(inputs, greedy)
         rows = {batch_index: row for row, batch_index in enumerate(inputs.sampled)}
         index = [rows[source] for source in plan.sample_sources]
+        if greedy is not None and greedy.token_ids is not None:  # the head's picks: every request takes its argmax
+            picks = greedy.token_ids.tolist()
+            self.greedy_picks += 1
+            results = [Sampled(token=picks[row]) for row in index]
+            return StepOutcome(results, time.perf_counter() - started)
         if index != list(range(len(inputs.sampled))):  # forked samples share their parent's row
             logits = logits[torch.tensor(index, device=logits.device)]
         results = sample_step(sampler, plan.sampled, logits)
         return StepOutcome(results, time.perf_counter() - started)
+
+    def greedy_step(self, plan: StepPlan, inputs):
+        """A request for the LM head's picks (greedy_head.GreedyStep) when every sampled request of the step takes
+        its raw logits' argmax with no sampling hook, the head may screen and the model returns the head's output
+        as its logits (the first such step checks that, with real logits); else None."""
+        if (self.head_gives_logits is False or not isinstance(inputs, StepInputs)
+                or not self.spec.accepts_logits_to_keep or self.linears.greedy_head is None
+                or not all(r.controller is None and picks_by_argmax(r.params, r.banned_token_ids())
+                           for r in plan.sampled)):
+            return None
+        return self.linears.greedy_step(check=self.head_gives_logits is None)
 
     def prepare(self, batch: StepPlan) -> StepInputs | PaddedDecode:
         if self.graphs is not None and self.graphs.accepts(batch):
@@ -126,20 +147,22 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs | PaddedDecode) -> torch.Tensor:
-        """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows)."""
+    def execute(self, inputs: StepInputs | PaddedDecode, greedy=None) -> torch.Tensor | None:
+        """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows), or None when
+        the head gave `greedy` its picks instead."""
         require_enabled()  # after hf_paged.disable(), also for replayed graphs: HfPagedDisabled, naming enable()
         if isinstance(inputs, PaddedDecode):
             return self.graphs.run(inputs)
         return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows,
-                            inputs.token_type_ids, inputs.states, inputs.group_metadata)
+                            inputs.token_type_ids, inputs.states, inputs.group_metadata, greedy)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
                 sample_rows: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
-                states: StateStep | None = None,
-                group_metadata: list[AttentionMetadata] | None = None) -> torch.Tensor:
+                states: StateStep | None = None, group_metadata: list[AttentionMetadata] | None = None,
+                greedy=None) -> torch.Tensor | None:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
-        decode graphs (captured or not) both run exactly this."""
+        decode graphs (captured or not) both run exactly this. With `greedy` (`greedy_step`), None when the LM head
+        gave its picks (`greedy.token_ids`) instead of logits."""
         context = PagedForwardContext(metadata, self.kv_cache, self.backends, states=states,
                                       group_metadata=group_metadata, layer_calls=self.layer_calls)
         kwargs = {}
@@ -150,7 +173,7 @@ class ModelRunner:
         rows = input_ids.shape[-1]
         head_rows = rows if sample_rows is None or not self.spec.accepts_logits_to_keep else sample_rows.shape[0]
         with forward_lock(self.model), paged_attention_active(self.spec.configs), \
-                self.linears.active(rows, head_rows):
+                self.linears.active(rows, head_rows, greedy):
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              paged_context=context, **kwargs)
         if context.num_calls != self.num_attention_layers:
@@ -158,7 +181,26 @@ class ModelRunner:
                                f"model's {self.num_attention_layers} attention layers each made one when the engine "
                                f"started (a module replaced since, with a config of its own, or code that changed?): "
                                f"the step is undone rather than computed without the cache; build a new engine")
+        if greedy is not None and self._head_picked(greedy, out.logits):
+            return None
         logits = out.logits[0]
         if sample_rows is not None and not self.spec.accepts_logits_to_keep:
             logits = logits[sample_rows]
         return logits.float()
+
+    def _head_picked(self, greedy, logits: torch.Tensor) -> bool:
+        """After a forward with `greedy`: whether the head's picks stand for the step's logits. A checking step
+        learns whether the model returned the head's output untouched (`head_gives_logits`); a picking step whose
+        model returned anything but the head's placeholder (its code changed since the check) is refused: the step
+        is undone and later steps compute logits."""
+        if greedy.check:
+            self.head_gives_logits = (logits is greedy.output and greedy.snapshot is not None
+                                      and torch.equal(logits, greedy.snapshot))
+            return False
+        if greedy.token_ids is None:
+            return False
+        if logits is not greedy.output:
+            self.head_gives_logits = False
+            raise RuntimeError("the model changed the output of its LM head after hf_paged checked that it returns it "
+                               "untouched: the step is undone; the engine computes full logits from now on")
+        return True

@@ -112,12 +112,12 @@ def time_paths(runs: dict[str, Callable[[], object]], budget: float = BUDGET_S) 
     return best, clock() - started
 
 
-def fastest(seconds: dict[str, float]) -> str:
-    """BASELINE (F.linear) unless another candidate took less than (1 - MARGIN) of its time; then the one with the
+def fastest(seconds: dict[str, float], baseline: str = BASELINE) -> str:
+    """`baseline` (F.linear) unless another candidate took less than (1 - MARGIN) of its time; then the one with the
     least time, the first one given among equals. Without the baseline among them: the least time."""
     best = min(seconds, key=lambda name: (seconds[name], list(seconds).index(name)))
-    if BASELINE in seconds and seconds[best] >= (1 - MARGIN) * seconds[BASELINE]:
-        return BASELINE
+    if baseline in seconds and seconds[best] >= (1 - MARGIN) * seconds[baseline]:
+        return baseline
     return best
 
 
@@ -176,9 +176,11 @@ class ChoiceTable:
     disk: dict = field(default_factory=dict)  # identity -> DiskChoices (only with HF_PAGED_SMALL_LINEAR_CACHE=1)
 
     def choose(self, key: Key, products: dict[str, Callable], runs: dict[str, Callable[[], object]],
-               identity: str = "") -> Callable:
+               identity: str = "", baseline: str = BASELINE) -> Callable:
         """The product for `key`: the one chosen before, else one from disk (when enabled), else the fastest of
-        `runs` (same names as `products`, each a closure running its product once on the caller's weight)."""
+        `runs` (same names as `products`, each a closure running its product once on the caller's weight), `baseline`
+        kept unless another is more than MARGIN faster. No run may call `choose` itself (the lock is not
+        re-entrant): make any choice a run depends on first."""
         with self.lock:
             if key in self.fast:
                 return self.fast[key]
@@ -186,7 +188,7 @@ class ChoiceTable:
             choice = disk.choice(key, products) if disk else None
             if choice is None:
                 seconds, spent = time_paths(runs)
-                choice = Choice(fastest(seconds), seconds, probe_seconds=spent)
+                choice = Choice(fastest(seconds, baseline), seconds, probe_seconds=spent)
                 if disk:
                     disk.save(key, choice)
             self.choices[key] = choice

@@ -75,11 +75,17 @@ class PackedCopy:
     same identity while the copy lives), so a weight given new storage (`model.to("cuda")`, `.data = ...`) is freed
     and a new one is never mistaken for it, even at the same address."""
     __slots__ = ("storage", "address", "version", "shape", "stride", "dtype", "nbytes", "packed", "starts", "values",
-                 "__weakref__")
+                 "row_norm_max", "__weakref__")
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, cast: torch.dtype | None = None):
+        """`cast`: pack `weight` cast to this dtype (an fp32 LM head's bf16 screen, `greedy_head`); the copy then also
+        knows the largest Euclidean norm of the weight's rows (`row_norm_max`, computed in float64 from the weight
+        itself, not the cast)."""
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+            source = weight.detach() if cast is None else weight.detach().to(cast)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(source, BATCH_HINT)
+            del source
+            self.row_norm_max = None if cast is None else _row_norm_max(weight.detach())
         self.storage = StorageWeakRef(weight.untyped_storage())
         self.address, self.version, self.shape = weight.data_ptr(), _version(weight), weight.shape
         self.stride, self.dtype = weight.stride(), weight.dtype
@@ -106,6 +112,11 @@ class PackedCopy:
         return self.same_storage(weight) and _version(weight) == self.version
 
 
+def _row_norm_max(weight: torch.Tensor, rows: int = 4096) -> float:
+    """max_j ||weight[j]||_2 in float64 (a few thousand rows at a time: no float64 copy of a whole LM head)."""
+    return max(float(weight[i:i + rows].double().norm(dim=1).max()) for i in range(0, weight.shape[0], rows))
+
+
 def _packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:
     """The memory the packed copy takes: oneDNN pads small weights (a [1, 4096] bf16 weight's copy takes 256 KiB)."""
     try:
@@ -115,7 +126,8 @@ def _packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
-    """bf16 / fp16 values as their 16-bit patterns: compared bit for bit (a NaN equals itself)."""
+    """Values as 16-bit patterns (bf16 / fp16: one per value, fp32: two): compared bit for bit (a NaN equals
+    itself)."""
     return values.view(torch.int16)
 
 
@@ -137,13 +149,14 @@ def _budget_bytes() -> int:
     return _budget[0]
 
 
-def copy_for(module: torch.nn.Module, weight: torch.Tensor) -> PackedCopy | None:
+def copy_for(module: torch.nn.Module, weight: torch.Tensor, cast: torch.dtype | None = None) -> PackedCopy | None:
     """`module`'s packed copy of `weight` as it is now (packed again if it changed), or None: over the budget, or a
-    weight the packed product does not take (`weight_packable`)."""
+    weight the packed product does not take (`weight_packable`). `cast`: a copy in that dtype of an fp32 weight
+    (`PackedCopy`); a module has one copy, of one kind (its weight's dtype decides which)."""
     copy = _COPIES.get(module)
     if copy is not None and copy.matches(weight):
         return copy
-    if not weight_packable(weight):
+    if not weight_packable(weight, cast):
         return None
     with _LOCK:
         if copy is not None:
@@ -152,7 +165,7 @@ def copy_for(module: torch.nn.Module, weight: torch.Tensor) -> PackedCopy | None
         if taken + weight.numel() * weight.element_size() > _budget_bytes():  # at least the weight's own size
             return None
         try:
-            copy = PackedCopy(weight)
+            copy = PackedCopy(weight, cast)
         except (RuntimeError, MemoryError) as error:  # oneDNN refused it or no memory for it: F.linear, as without
             _warn_once(f"hf_paged: no packed copy of a {tuple(weight.shape)} {weight.dtype} weight ({error}); "
                        f"its linear runs F.linear")
@@ -179,12 +192,14 @@ def forget(modules) -> int:
     return len(dropped)
 
 
-def weight_packable(weight: torch.Tensor) -> bool:
+def weight_packable(weight: torch.Tensor, cast: torch.dtype | None = None) -> bool:
     """A weight the packed product takes (checked when packing; a copy is used only while its weight `matches` it):
     a bf16, CPU, 2-D, contiguous `Parameter` held as such (not one recomputed on every call, as pruning or a
     parametrization makes it: that would repack on every call) and not an inference tensor (made under
-    `torch.inference_mode()`: no version counter, so an in-place edit would go unseen unless it hit a sample)."""
-    return (isinstance(weight, torch.nn.Parameter) and weight.dtype in DTYPES and weight.is_cpu
+    `torch.inference_mode()`: no version counter, so an in-place edit would go unseen unless it hit a sample).
+    With `cast` (a bf16 screen of an fp32 weight): an fp32 weight, otherwise the same."""
+    dtype_ok = weight.dtype in DTYPES if cast is None else (weight.dtype is torch.float32 and cast in DTYPES)
+    return (isinstance(weight, torch.nn.Parameter) and dtype_ok and weight.is_cpu
             and weight.dim() == 2 and weight.is_contiguous() and type(weight.data) is torch.Tensor
             and not weight.is_inference())
 
@@ -302,7 +317,7 @@ class PackedLinears:
             self._seen = [weakref.ref(c) for _, c in live]
             self._views = [v for m, c in live for v in c.sample_views(m.weight)]
             self._values = torch.cat([c.values for _, c in live])
-        if torch.equal(_bits(torch.cat(self._views)), self._values):
+        if torch.equal(torch.cat([_bits(v) for v in self._views]), self._values):  # per view: dtypes may differ
             return True
         self.forget()
         return False

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import packed_linear
+from . import greedy_head, packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -247,7 +247,7 @@ def _small_batch_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
 
 
 OUR_FORWARDS = (_measured_linear, _kernel_linear, _small_batch_linear, packed_linear._packed_linear,
-                packed_linear._forced_packed_linear)
+                packed_linear._forced_packed_linear, greedy_head.greedy_head_forward)
 
 
 def drop_leftover_forwards(model: torch.nn.Module) -> int:
@@ -283,10 +283,15 @@ class SmallBatchLinears:
         self.modules = fp32 + packable
         self.forwards = [types.MethodType(function, m) for m in fp32] + \
             [types.MethodType(packed_linear.forward_for(packed_linear.mode()), m) for m in packable]
-        self.packed = packed_linear.PackedLinears(packable)  # bf16: oneDNN's pre-packed copies (measured)
         self.ids = frozenset(id(m) for m in self.modules)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.head = head if any(m is head for m in self.modules) else None
+        # an fp32 head without bias may screen the logits of greedy steps (greedy_head); its bf16 copy is checked
+        # with the bf16 linears' packed copies
+        self.greedy_head = self.head if (self.head is not None and self.head.weight.dtype == torch.float32
+                                         and self.head.bias is None and greedy_head.available()) else None
+        self.head_function = function  # the head's usual forward, for a greedy step's fallback
+        self.packed = packed_linear.PackedLinears(packable + ([self.greedy_head] if self.greedy_head else []))
         self.plain_steps: set = set()  # (rows, head rows, threads) of steps whose every product is F.linear
 
     def plain(self, rows: int, head_rows: int) -> bool:
@@ -314,12 +319,23 @@ class SmallBatchLinears:
         self.plain_steps.add(key)
         return True
 
+    def greedy_step(self, check: bool) -> greedy_head.GreedyStep | None:
+        """A request for the head's picks in the next forward (`active(..., greedy=)`), or None: no head that
+        screens. `check`: that forward computes real logits for the runner to compare (greedy_head)."""
+        if self.greedy_head is None:
+            return None
+        return greedy_head.GreedyStep(self.greedy_head, self.head_function, check=check)
+
     @contextmanager
-    def active(self, rows: int | None = None, head_rows: int | None = None):
+    def active(self, rows: int | None = None, head_rows: int | None = None,
+               greedy: greedy_head.GreedyStep | None = None):
         """Swap the forwards in for one forward pass. Each call then picks its product by its own row count: in a
         prefill step the layers see thousands of rows (F.linear) while the LM head sees only the sampled ones. With
-        the step's `rows` and `head_rows` given, a step whose products are all F.linear (`plain`) swaps nothing."""
-        if not self.modules or (rows is not None and self.plain(rows, head_rows if head_rows is not None else rows)):
+        the step's `rows` and `head_rows` given, a step whose products are all F.linear (`plain`) swaps nothing,
+        unless `greedy` (from `greedy_step`) asks the head for picks: then the head's forward is greedy_head's, for
+        this thread, until the forward ends."""
+        if not self.modules or (greedy is None and rows is not None
+                                and self.plain(rows, head_rows if head_rows is not None else rows)):
             yield
             return
         # a module that carries a forward of its own (accelerate's offloading hooks, a user's wrapper) keeps it
@@ -331,6 +347,10 @@ class SmallBatchLinears:
         added = self.ids - on  # this thread's switch: another thread calling these forwards gets F.linear
         on |= added
         swapped = [(m, f) for m, f in zip(self.modules, self.forwards) if "forward" not in vars(m)]
+        if greedy is not None:
+            swapped = [(m, types.MethodType(greedy_head.greedy_head_forward, m) if m is greedy.head else f)
+                       for m, f in swapped]
+            THIS_THREAD.greedy = greedy
         for module, forward in swapped:
             vars(module)["forward"] = forward
         try:
@@ -339,3 +359,4 @@ class SmallBatchLinears:
             for module, _ in swapped:
                 vars(module).pop("forward", None)  # the class's forward again
             on -= added
+            THIS_THREAD.greedy = None

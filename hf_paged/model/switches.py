@@ -33,6 +33,7 @@ class _ThisThread(threading.local):
     def __init__(self):
         self.attention: dict = {}  # id(config) -> (config, attention implementation name) while switched
         self.linears: set = set()  # ids of linear modules whose few-row forward is on
+        self.greedy = None  # the greedy_head.GreedyStep of the forward this thread runs, while one asks for picks
 
 
 THIS_THREAD = _ThisThread()

@@ -1,0 +1,228 @@
+"""The LM head of a greedy step on the CPU in fp32: a bf16 screen of every logit, exact fp32 logits only where a
+row's maximum can be.
+
+A greedy step needs one thing from the LM head: the first index of each row's largest fp32 logit. The head is the
+largest product of a decode step (the benchmark model's [32000, 512]: 65 MB of fp32 weights, two fifths of what a
+step reads; ~22 ms of a 64-row step on a 2-core AMX Xeon VM, one thread). Here, for rows x and the head's weight W:
+
+1. screen = bf16(x) bf16(W)^T, on a packed bf16 copy of W (`packed_linear.copy_for(..., cast=bf16)`: half the bytes,
+   and the CPU's bf16 dot-product instructions), with a bf16 output;
+2. a rigorous bound on |screen[r, j] - L[r, j]| for every j, L being any fp32 evaluation of x[r] . W[j]:
+   B_r = c_k ||x_r|| max_j ||W_j|| + k 2^-125 (||x_r|| + max_j ||W_j|| + 1) (`slack`), by Cauchy-Schwarz on
+   sum_i |x_ri| |W_ji|; c_k = 3u + 8u^2 + 3 gamma_k with u = 2^-8 (x, W and the output each rounded to bf16 once) and
+   gamma_k = k 2^-24 / (1 - k 2^-24) (fp32 sums of k products in any order: the screen's accumulation and L's); the
+   absolute term covers bf16 subnormals that the dot-product instructions flush to zero;
+3. the native pass (`cpu/greedy_head.c`): every j whose screen value is >= max(screen[r]) - 2 B_r gets its fp32 logit
+   and the first largest of those is the pick. Every j that could hold the row's fp32 maximum passes, so the pick is
+   the argmax of fp32 logits: the plain head's token with `first_argmax`, up to the order of the fp32 sums (like any
+   other choice of product). On the benchmark model a row needs ~10 exact logits; the head at 64 rows took ~4 ms
+   instead of ~22 ms (AMX Xeon VM, one thread).
+
+Invariants:
+- Only in a forward whose runner asked for picks (`GreedyStep`, set for the running thread in `THIS_THREAD.greedy`
+  by `small_linear.SmallBatchLinears.active`): every sampled request of the step takes the argmax of its raw logits
+  (`sampling.picks_by_argmax`), and only for the model's output embeddings when they are a plain fp32 CPU
+  `nn.Linear` without bias, on 1..MAX_ROWS rows, without gradients or autocast (`takes`). Anything else gets the
+  head's usual product (`GreedyStep.plain`), and so does the same module called from another thread.
+- The model must give back the head's output as its logits, untouched (no soft-capping or scaling after the head):
+  the runner checks that on its first greedy step, which computes real logits (`GreedyStep.check`); a model that
+  fails it is never screened.
+- A call with any non-finite or huge row (||x_r|| max ||W_j|| >= LIMIT) takes the usual product for all its rows, so
+  NaN / inf logits end their requests exactly as without the screen. A copy of a weight with a non-finite row norm
+  is not used.
+- The bf16 copy lives and is checked like the bf16 linears' packed copies (`packed_linear`: the weight's storage,
+  version counter and sampled entries before every forward; `reset_prefix_cache()` drops it): an optimizer step or
+  `load_state_dict` makes a new one. Each pick is also checked against the copy: its exact logit must lie within B_r
+  of its screen value, else the copy is dropped and the call takes the usual product.
+- Worth it only where measured: the first call of each (head shape, row bucket, threads) times the screen against
+  the head's usual product followed by `first_argmax` on that call's rows (`linear_choice.TABLE`, dtype "greedy");
+  the usual product stays unless the screen is more than 5 % faster. `HF_PAGED_GREEDY_HEAD=0` turns the screen off
+  (also: no C compiler, no oneDNN bf16), `=force` screens wherever it may (tests).
+- Memory: the bf16 copy, half the head's size, under packed_linear's budget.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import native
+from ..sampling import first_argmax
+from . import packed_linear
+from .linear_choice import BUCKET_OF, TABLE, Key
+from .switches import THIS_THREAD
+
+SOURCE = Path(__file__).with_name("cpu") / "greedy_head.c"
+SWITCH = "HF_PAGED_GREEDY_HEAD"
+MAX_ROWS = 128
+LIMIT = 2.0 ** 100  # ||x_r|| max_j ||W_j|| at or above this: the usual product (no overflow anywhere in the screen)
+SCREEN_DTYPE = torch.bfloat16
+SCREEN, PLAIN = "screen", "logits"  # the TABLE's two products for a greedy head (markers: never called)
+_status: dict[str, str] = {}
+
+
+def mode() -> str:
+    """`HF_PAGED_GREEDY_HEAD`: "off" (0), "force" (screen wherever it may: tests), else "auto" (measured)."""
+    value = os.environ.get(SWITCH, "auto").strip().lower()
+    return {"0": "off", "force": "force"}.get(value, "auto")
+
+
+class Picker:
+    """`greedy_pick` of cpu/greedy_head.c."""
+
+    def __init__(self, path: Path):
+        fn = ctypes.CDLL(str(path)).greedy_pick
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+        fn.restype = None
+        self.fn = fn
+
+    @torch.compiler.disable  # raw pointers: never traced
+    def __call__(self, screen: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                 slack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """screen [m, n] bf16 contiguous, rows [m, k] fp32 (rows contiguous), weight [n, k] fp32 contiguous, slack [m]
+        float64 -> (picks [m] int64, their exact logits [m] fp32, exact logits computed per row [m] int64)."""
+        m, k = rows.shape
+        token = torch.empty(m, dtype=torch.int64)
+        value = torch.empty(m, dtype=torch.float32)
+        seen = torch.empty(m, dtype=torch.int64)
+        self.fn(screen.data_ptr(), rows.data_ptr(), rows.stride(0), weight.data_ptr(), slack.data_ptr(),
+                token.data_ptr(), value.data_ptr(), seen.data_ptr(), m, weight.shape[0], k)
+        return token, value, seen
+
+
+@functools.lru_cache(maxsize=1)
+def load_picker() -> Picker | None:
+    picker, _status["reason"] = native.load(SOURCE, SWITCH, Picker)
+    return picker
+
+
+def available() -> bool:
+    """Not switched off, oneDNN with bf16 in this torch, and the native pass built."""
+    return mode() != "off" and packed_linear._onednn_bf16() and load_picker() is not None
+
+
+def status() -> str:
+    if mode() == "off":
+        return f"off ({SWITCH}=0)"
+    if not packed_linear._onednn_bf16():
+        return "off (no oneDNN bf16 in this torch)"
+    if load_picker() is None:
+        return f"off (no native pass: {_status.get('reason')})"
+    return "forced" if mode() == "force" else "measured per row count"
+
+
+def bound_factor(k: int) -> float:
+    """c_k of the module's docstring (rounded up)."""
+    u = 2.0 ** -8
+    gamma = k * 2.0 ** -24 / (1 - k * 2.0 ** -24)
+    return (3 * u + 8 * u * u + 3 * gamma) * (1 + 2.0 ** -20)
+
+
+def slack(norms: torch.Tensor, row_norm_max: float, k: int) -> torch.Tensor:
+    """2 B_r for rows of Euclidean norms `norms` (float64): how far below a row's screen maximum a j may be and
+    still hold the row's largest fp32 logit."""
+    bound = bound_factor(k) * norms * row_norm_max + k * 2.0 ** -125 * (norms + row_norm_max + 1)
+    return 2 * bound * (1 + 2.0 ** -20)
+
+
+def takes(module: torch.nn.Module, rows: torch.Tensor) -> bool:
+    """The per-call checks (besides the copy): an fp32 CPU head without bias, fp32 CPU rows, 1..MAX_ROWS of them,
+    no gradient wanted, no autocast."""
+    weight = module.weight
+    return (module.bias is None and weight.dtype is torch.float32 and weight.is_cpu and weight.dim() == 2
+            and weight.is_contiguous() and rows.dtype is torch.float32 and rows.is_cpu
+            and 0 < rows.shape[0] <= MAX_ROWS and rows.shape[1] == weight.shape[1]
+            and not (torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad))
+            and not torch.is_autocast_enabled("cpu"))
+
+
+def pick(module: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
+    """Each row's greedy token ([m] int64), or None where the usual product must run instead (no copy, a non-finite
+    or huge row, a pick that contradicts the copy). `rows` [m, k], each row contiguous; `takes` holds."""
+    picker = load_picker()
+    weight = module.weight
+    copy = packed_linear.copy_for(module, weight, SCREEN_DTYPE)
+    if picker is None or copy is None or not math.isfinite(copy.row_norm_max):
+        return None
+    norms = rows.double().norm(dim=1)
+    if not bool(torch.isfinite(norms).all()) or float(norms.max()) * copy.row_norm_max >= LIMIT:
+        return None
+    k = rows.shape[1]
+    screen = torch.ops.mkldnn._linear_pointwise(rows.to(SCREEN_DTYPE), copy.packed, None, "none", [], "")
+    gap = slack(norms, copy.row_norm_max, k)
+    token, value, _ = picker(screen, rows, weight, gap)
+    # the picks agree with the copy: a weight changed without the checks seeing it would be caught here for the
+    # picks at least (the screen then was of another weight)
+    if bool(((screen.gather(1, token[:, None])[:, 0].double() - value.double()).abs() > gap / 2).any()):
+        packed_linear.forget([module])
+        return None
+    return token
+
+
+@dataclass(slots=True)
+class GreedyStep:
+    """What a runner asks of the LM head for one forward (set in `THIS_THREAD.greedy` while it runs).
+
+    `check`: compute the real logits and keep them (`output`) with a copy (`snapshot`), so that the runner can see
+    whether the model hands them back untouched. Otherwise `token_ids` holds the picks when the head screened, and
+    `output` the placeholder it returned (shaped like the logits, never read); when it did not, `output` holds the
+    real logits and `token_ids` stays None."""
+    head: torch.nn.Module
+    plain: Callable  # the head's usual forward (a plain function taking the module and the input)
+    check: bool = False
+    output: torch.Tensor | None = None
+    snapshot: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
+
+
+def _choose(key: tuple, module: torch.nn.Module, rows: torch.Tensor, step: GreedyStep):
+    """Probe `key` on this call's rows (the bucket's row count, rows repeated): the screen against the usual product
+    and `first_argmax`. The usual product's own choice for this row count is made first (TABLE's lock is not
+    re-entrant)."""
+    want = key[2]
+    if rows.shape[0] != want:
+        rows = rows[torch.arange(want, device=rows.device) % rows.shape[0]]
+    step.plain(module, rows)
+    runs = {PLAIN: lambda: first_argmax(step.plain(module, rows)), SCREEN: lambda: pick(module, rows)}
+    with torch.no_grad():
+        return TABLE.choose(Key(tuple(key[0]), *key[1:]), {PLAIN: PLAIN, SCREEN: SCREEN}, runs, baseline=PLAIN)
+
+
+@torch.compiler.disable
+def greedy_head_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's
+    """The head's forward in a step that asked for picks (see the module's invariants)."""
+    step = THIS_THREAD.greedy
+    if step is None or step.head is not self or id(self) not in THIS_THREAD.linears:
+        return torch.nn.functional.linear(input, self.weight, self.bias)
+    if step.check:
+        step.output = step.plain(self, input)
+        step.snapshot = step.output.detach().clone()
+        return step.output
+    shape = input.shape
+    m = input.numel() // shape[-1] if shape and shape[-1] else 0
+    rows = input.reshape(m, shape[-1]) if m else input
+    if not m or not takes(self, rows):
+        step.output = step.plain(self, input)
+        return step.output
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    key = (self.weight.shape, "greedy", BUCKET_OF[m], torch.get_num_threads(), True)
+    choice = SCREEN if mode() == "force" else TABLE.fast.get(key)
+    if choice is None:
+        choice = _choose(key, self, rows, step)
+        if choice == PLAIN:
+            packed_linear.forget([self])  # no copy kept while the usual product is chosen
+    token = pick(self, rows) if choice == SCREEN else None
+    if token is None:
+        step.output = step.plain(self, input)
+        return step.output
+    step.token_ids = token
+    step.output = input.new_empty(()).expand(*shape[:-1], self.weight.shape[0])  # shaped like the logits
+    return step.output

@@ -1,0 +1,284 @@
+"""The greedy LM head (hf_paged/model/greedy_head.py): picks from a bf16 screen are the argmax of fp32 logits, near
+ties and exact ties included; the engine uses them only where every request takes its raw logits' argmax and the
+model returns the head's output untouched; weights that change, non-finite rows and other threads get the plain
+product."""
+import threading
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.model import greedy_head, packed_linear
+from hf_paged.model.linear_choice import TABLE
+from hf_paged.sampling import first_argmax
+
+from conftest import cached_model
+
+pytestmark = pytest.mark.skipif(not greedy_head.available(), reason="no oneDNN bf16 or no C compiler")
+
+
+class Head(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(weight)
+
+
+def fp64_winners(rows: torch.Tensor, weight: torch.Tensor) -> list[set[int]]:
+    """Per row, every j whose float64 logit is within fp32 rounding of the row's maximum (any fp32 evaluation may
+    pick one of them)."""
+    exact = rows.double() @ weight.double().t()
+    tolerance = 4 * rows.shape[1] * 2.0 ** -24 * (rows.double().abs() @ weight.double().abs().t())
+    top = exact.max(dim=1, keepdim=True).values
+    return [set((exact[r] >= top[r] - tolerance[r]).nonzero()[:, 0].tolist()) for r in range(rows.shape[0])]
+
+
+def near_ties(rows: int, n: int, k: int, spread: float, seed: int = 0):
+    """Rows and a weight whose logits for each row differ by ~`spread` relative: far below bf16's resolution (~4e-3)
+    and far above fp32's (~1e-6), so the screen cannot order them but every fp32 evaluation agrees."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    base = torch.randn(k, generator=gen)
+    weight = base + spread * torch.randn(n, k, generator=gen)
+    return x, weight
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 128])
+def test_picks_are_the_fp32_argmax_where_the_screen_cannot_tell(rows, one_torch_thread):
+    x, weight = near_ties(rows, 600, 96, spread=2e-3, seed=rows)
+    net = Head(weight)
+    token = greedy_head.pick(net.head, x)
+    assert token is not None
+    winners = fp64_winners(x, net.head.weight.detach())
+    assert sum(len(w) == 1 for w in winners) >= rows / 2  # mostly one clear fp32 winner per row...
+    screen = (x.bfloat16().float() @ weight.bfloat16().float().t()).argmax(dim=1)
+    assert (screen != torch.tensor([min(w) for w in winners])).any()  # ...which the bf16 screen alone misses
+    assert [int(t) in w for t, w in zip(token, winners)] == [True] * rows
+
+
+def test_a_bound_too_small_gives_wrong_picks():
+    """The test above can fail: the native pass given no slack lets the screen decide alone."""
+    x, weight = near_ties(64, 600, 96, spread=2e-3, seed=64)
+    screen = x.bfloat16() @ weight.bfloat16().t()
+    token, _, seen = greedy_head.load_picker()(screen.contiguous(), x, weight, torch.zeros(64, dtype=torch.float64))
+    winners = fp64_winners(x, weight)
+    assert not all(int(t) in w for t, w in zip(token, winners))
+    assert int(seen.min()) >= 1
+
+
+def test_exact_ties_go_to_the_first_index_as_first_argmax():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 64, generator=gen)
+    weight[[40, 41, 250]] = weight[7].clone()  # four identical rows
+    x = torch.randn(8, 64, generator=gen)
+    x[0] = weight[7] * 3  # row 0's maximum is at 7, 40, 41, 250 alike
+    net = Head(weight)
+    token = greedy_head.pick(net.head, x)
+    assert int(token[0]) == 7
+    assert token.tolist() == first_argmax(torch.nn.functional.linear(x, weight)).tolist()
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e-3, 1.0, 1e6])
+def test_picks_match_first_argmax_on_random_heads_of_any_scale(scale):
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(1000, 128, generator=gen) * scale
+    x = torch.randn(32, 128, generator=gen)
+    net = Head(weight)
+    token = greedy_head.pick(net.head, x)
+    winners = fp64_winners(x, weight)
+    assert all(int(t) in w for t, w in zip(token, winners))
+
+
+def test_non_finite_or_huge_rows_take_the_plain_product():
+    net = Head(torch.randn(300, 64))
+    x = torch.randn(4, 64)
+    x[2, 5] = float("nan")
+    assert greedy_head.pick(net.head, x) is None
+    x[2, 5] = 1e35
+    assert greedy_head.pick(net.head, x) is None  # ||x|| max ||W|| beyond LIMIT
+
+
+def test_a_stale_copy_is_caught_by_the_picks_check():
+    gen = torch.Generator().manual_seed(3)
+    net, other = Head(torch.randn(300, 64, generator=gen)), Head(torch.randn(300, 64, generator=gen))
+    x = torch.randn(16, 64, generator=gen)
+    assert greedy_head.pick(net.head, x) is not None
+    copy = packed_linear._COPIES[net.head]
+    copy.packed = packed_linear.copy_for(other.head, other.head.weight, torch.bfloat16).packed  # a wrong screen
+    assert greedy_head.pick(net.head, x) is None
+    assert packed_linear._COPIES.get(net.head) is None  # dropped: the next call packs afresh
+
+
+# ---- in the engine ------------------------------------------------------------------------------------------
+PROMPTS = [[5, 9, 14, 3, 77], [8, 8, 21], list(range(3, 40)), [100, 3, 50, 60, 70, 80, 90]]
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setenv(greedy_head.SWITCH, "force")
+    yield
+
+
+def generate(model, params=None, prompts=PROMPTS, **options):
+    llm = hf_paged.LLM(model, **options)
+    params = params or hf_paged.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(o.token_ids) for o in outs], llm.engine.runner
+
+
+def plain_tokens(model, params=None, prompts=PROMPTS):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(greedy_head.SWITCH, "0")
+        tokens, runner = generate(model, params, prompts)
+    assert runner.linears.greedy_head is None
+    return tokens
+
+
+def test_the_engine_picks_on_greedy_steps_with_hfs_tokens(forced, one_torch_thread):
+    model = cached_model("llama")
+    tokens, runner = generate(model)
+    assert runner.head_gives_logits is True and runner.greedy_picks > 0
+    assert tokens == plain_tokens(model)
+    for prompt, row in zip(PROMPTS, tokens):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert row == want[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("params", [
+    hf_paged.SamplingParams(max_tokens=8, temperature=0.0, logprobs=2),
+    hf_paged.SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3),
+    hf_paged.SamplingParams(max_tokens=8, temperature=0.0, min_tokens=4),  # EOS banned for 4 steps
+    hf_paged.SamplingParams(max_tokens=8, temperature=0.8, seed=3),
+], ids=["logprobs", "penalty", "min_tokens", "sampling"])
+def test_steps_that_need_logits_get_them(forced, params, one_torch_thread):
+    model = cached_model("llama")
+    tokens, runner = generate(model, params)
+    if params.min_tokens:  # once EOS may be sampled, the argmax is all a step needs
+        assert runner.greedy_picks > 0
+        assert all(len(row) >= 4 for row in tokens)
+    else:
+        assert runner.greedy_picks == 0
+    assert tokens == plain_tokens(model, params)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_model_that_changes_its_heads_output_is_never_screened(forced, in_place, one_torch_thread):
+    model = cached_model("llama")
+    bias = torch.zeros(model.config.vocab_size)
+    bias[17] = 1e4  # token 17 wins every step: the head's own argmax would not
+
+    def hook(module, args, output):
+        if in_place:
+            output.logits.add_(bias)
+        else:
+            output.logits = output.logits + bias
+        return output
+
+    handle = model.register_forward_hook(hook)
+    try:
+        tokens, runner = generate(model)
+        assert runner.head_gives_logits is False and runner.greedy_picks == 0
+        assert all(set(row) == {17} for row in tokens)
+    finally:
+        handle.remove()
+
+
+def test_a_change_after_the_check_is_refused_not_hidden(forced, one_torch_thread):
+    model = cached_model("llama")
+    llm = hf_paged.LLM(model)
+    params = hf_paged.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    runner = llm.engine.runner
+    assert runner.head_gives_logits is True
+    bias = torch.zeros(model.config.vocab_size)
+    bias[17] = 1e4
+    handle = model.register_forward_hook(lambda m, a, out: setattr(out, "logits", out.logits + bias) or out)
+    try:
+        engine = llm.engine
+        engine.add_request(PROMPTS[1], params, request_id="r")
+        with pytest.raises(RuntimeError, match="LM head"):
+            while engine.has_unfinished:
+                engine.step()
+        assert runner.head_gives_logits is False
+        finished = []
+        while engine.has_unfinished:  # the refused step was undone: stepping on computes logits
+            finished += [r for r in engine.step() if r.is_finished]
+        assert set(finished[0].output_token_ids) == {17}
+    finally:
+        handle.remove()
+
+
+def test_new_weights_give_new_picks(forced, one_torch_thread):
+    model = cached_model("llama", seed=5)
+    llm = hf_paged.LLM(model, enable_prefix_caching=False)
+    params = hf_paged.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    first = [list(o.token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    head = model.get_output_embeddings()
+    saved = head.weight.detach().clone()
+    try:
+        for change in ("optimizer", "data"):
+            if change == "optimizer":  # the version counter moves
+                with torch.no_grad():
+                    head.weight.copy_(saved.roll(1, dims=0))
+            else:  # `.data`: only the sampled entries show it
+                head.weight.data.copy_(saved.roll(2, dims=0))
+            got = [list(o.token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            assert got != first
+            assert got == plain_tokens(model, params)
+    finally:
+        with torch.no_grad():
+            head.weight.copy_(saved)
+
+
+def test_non_finite_hidden_states_end_requests_as_before(forced, one_torch_thread):
+    model = cached_model("llama", seed=6)
+    norm = model.model.norm.weight
+    saved = norm.detach().clone()
+    try:
+        with torch.no_grad():
+            norm[3] = float("nan")
+        llm = hf_paged.LLM(model)
+        outs = llm.generate(PROMPTS[:2], hf_paged.SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "error" for o in outs)
+        assert llm.engine.runner.greedy_picks == 0
+    finally:
+        with torch.no_grad():
+            norm.copy_(saved)
+
+
+def test_measured_mode_records_its_choice(monkeypatch, one_torch_thread):
+    monkeypatch.delenv(greedy_head.SWITCH, raising=False)
+    TABLE.clear()
+    try:
+        model = cached_model("llama")
+        tokens, runner = generate(model)
+        assert tokens == plain_tokens(model)
+        chosen = [c for c in TABLE.report() if c["dtype"] == "greedy"]
+        assert chosen and {c["path"] for c in chosen} <= {greedy_head.SCREEN, greedy_head.PLAIN}
+        assert all(set(c["us"]) == {greedy_head.SCREEN, greedy_head.PLAIN} for c in chosen)
+    finally:
+        TABLE.clear()
+
+
+def test_other_threads_and_plain_calls_get_plain_logits(forced):
+    model = cached_model("llama")
+    head = model.get_output_embeddings()
+    x = torch.randn(1, 3, head.in_features)
+    bound = greedy_head.greedy_head_forward.__get__(head)
+    assert torch.equal(bound(x), torch.nn.functional.linear(x, head.weight))  # no GreedyStep set: plain
+    seen = []
+    step = greedy_head.GreedyStep(head, lambda m, inp: torch.nn.functional.linear(inp, m.weight))
+    from hf_paged.model.switches import THIS_THREAD
+    THIS_THREAD.greedy, THIS_THREAD.linears = step, {id(head)}
+    try:
+        worker = threading.Thread(target=lambda: seen.append(bound(x)))
+        worker.start()
+        worker.join()
+        assert torch.equal(seen[0], torch.nn.functional.linear(x, head.weight))
+        with torch.no_grad():
+            placeholder = bound(x)  # this thread: picks, and a placeholder shaped like the logits
+        assert step.token_ids is not None and placeholder.shape == (1, 3, head.out_features)
+        assert step.token_ids.tolist() == first_argmax(torch.nn.functional.linear(x[0], head.weight)).tolist()
+    finally:
+        THIS_THREAD.greedy, THIS_THREAD.linears = None, set()

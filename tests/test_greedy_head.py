@@ -282,3 +282,58 @@ def test_other_threads_and_plain_calls_get_plain_logits(forced):
         assert step.token_ids.tolist() == first_argmax(torch.nn.functional.linear(x[0], head.weight)).tolist()
     finally:
         THIS_THREAD.greedy, THIS_THREAD.linears = None, set()
+
+
+def test_hfs_generate_takes_picks_when_it_would_take_the_argmax(forced, engine_runs, one_torch_thread):
+    """`model.generate(..., cache_implementation="paged")` greedy with no processors runs on the engine's own
+    sampler: its steps take picks, with HF's tokens; with a processor they get logits."""
+    from conftest import assert_same_as_hf, left_padded_batch
+
+    model = cached_model("llama")
+    ids, mask = left_padded_batch([5, 9, 3])
+    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)
+    assert engine_runs[-1].engine.runner.greedy_picks > 0
+    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)
+    assert engine_runs[-1].engine.runner.greedy_picks == 0
+
+
+def test_a_screen_beyond_its_bound_is_never_chosen(monkeypatch, caplog):
+    """The probe checks the bound's premises on this machine: a bound that does not hold (here: cut to nothing)
+    leaves the usual product as the only candidate, with a warning."""
+    monkeypatch.delenv(greedy_head.SWITCH, raising=False)
+    TABLE.clear()
+    try:
+        gen = torch.Generator().manual_seed(4)
+        net = Head(torch.randn(3000, 64, generator=gen))
+        x = torch.randn(8, 64, generator=gen)
+        assert greedy_head.bound_holds(net.head, x, torch.nn.functional.linear(x, net.head.weight))
+        monkeypatch.setattr(greedy_head, "bound_factor", lambda k: 0.0)
+        assert not greedy_head.bound_holds(net.head, x, torch.nn.functional.linear(x, net.head.weight))
+        step = greedy_head.GreedyStep(net.head, lambda m, inp: torch.nn.functional.linear(inp, m.weight))
+        key = (net.head.weight.shape, "greedy", 8, torch.get_num_threads(), True)
+        with caplog.at_level("WARNING", logger="hf_paged"):
+            assert greedy_head._choose(key, net.head, x, step) == greedy_head.PLAIN
+        assert "strayed beyond its rounding bound" in caplog.text
+        assert greedy_head.known_plain(net.head, 7)
+    finally:
+        TABLE.clear()
+
+
+def test_a_runner_asks_no_picks_where_the_plain_head_was_chosen(monkeypatch, one_torch_thread):
+    monkeypatch.delenv(greedy_head.SWITCH, raising=False)
+    TABLE.clear()
+    try:
+        model = cached_model("llama")
+        llm = hf_paged.LLM(model)
+        head = llm.engine.runner.linears.greedy_head
+        for rows in (1, 2, 4):
+            TABLE.fast[(head.weight.shape, "greedy", rows, torch.get_num_threads(), True)] = greedy_head.PLAIN
+        calls = []
+        real = greedy_head.greedy_head_forward
+        monkeypatch.setattr(greedy_head, "greedy_head_forward", lambda self, x: (calls.append(1), real(self, x))[1])
+        params = hf_paged.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        llm.generate(PROMPTS, params, use_tqdm=False)
+        assert llm.engine.runner.head_gives_logits is True and llm.engine.runner.greedy_picks == 0
+        assert len(calls) == 1  # the checking step's; later steps run the head as without greedy steps
+    finally:
+        TABLE.clear()

@@ -88,7 +88,7 @@ class ModelRunner:
                 or not all(r.controller is None and picks_by_argmax(r.params, r.banned_token_ids())
                            for r in plan.sampled)):
             return None
-        return self.linears.greedy_step(check=self.head_gives_logits is None)
+        return self.linears.greedy_step(self.head_gives_logits is None, len(inputs.sampled))
 
     def prepare(self, batch: StepPlan) -> StepInputs | PaddedDecode:
         if self.graphs is not None and self.graphs.accepts(batch):

@@ -53,6 +53,7 @@ from typing import Callable
 import torch
 
 from .. import native
+from ..config import logger
 from ..sampling import first_argmax
 from . import packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key
@@ -182,17 +183,42 @@ class GreedyStep:
     token_ids: torch.Tensor | None = None
 
 
+def bound_holds(module: torch.nn.Module, rows: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether every screen value of `rows` lies within B_r of the fp32 logits `logits` (the head's usual product):
+    the bound's premises (one bf16 rounding of each input, fp32 accumulation) checked on this machine's oneDNN
+    once per probe. False also without a copy or for rows `pick` would not screen."""
+    copy = packed_linear.copy_for(module, module.weight, SCREEN_DTYPE)
+    norms = rows.double().norm(dim=1)
+    if copy is None or not math.isfinite(copy.row_norm_max) or not bool(torch.isfinite(norms).all()):
+        return False
+    screen = torch.ops.mkldnn._linear_pointwise(rows.to(SCREEN_DTYPE), copy.packed, None, "none", [], "")
+    gap = slack(norms, copy.row_norm_max, rows.shape[1])
+    return bool(((screen.double() - logits.double()).abs() <= gap[:, None] / 2).all())
+
+
 def _choose(key: tuple, module: torch.nn.Module, rows: torch.Tensor, step: GreedyStep):
     """Probe `key` on this call's rows (the bucket's row count, rows repeated): the screen against the usual product
     and `first_argmax`. The usual product's own choice for this row count is made first (TABLE's lock is not
-    re-entrant)."""
+    re-entrant); where the screen strays beyond its bound from those logits, the usual product is the only
+    candidate (and a warning says so)."""
     want = key[2]
     if rows.shape[0] != want:
         rows = rows[torch.arange(want, device=rows.device) % rows.shape[0]]
-    step.plain(module, rows)
     runs = {PLAIN: lambda: first_argmax(step.plain(module, rows)), SCREEN: lambda: pick(module, rows)}
     with torch.no_grad():
+        if not bound_holds(module, rows, step.plain(module, rows)):
+            logger.warning("hf_paged: the bf16 screen of a %s LM head strayed beyond its rounding bound on this "
+                           "machine; greedy steps compute full logits", tuple(module.weight.shape))
+            del runs[SCREEN]
         return TABLE.choose(Key(tuple(key[0]), *key[1:]), {PLAIN: PLAIN, SCREEN: SCREEN}, runs, baseline=PLAIN)
+
+
+def known_plain(module: torch.nn.Module, rows: int) -> bool:
+    """Whether a greedy call of `rows` rows is already known to take the usual product (measured so): a runner
+    then need not ask for picks, and a step whose products are all F.linear swaps nothing."""
+    return (mode() == "auto" and 0 < rows <= MAX_ROWS
+            and TABLE.fast.get((module.weight.shape, "greedy", BUCKET_OF[rows], torch.get_num_threads(), True))
+            == PLAIN)
 
 
 @torch.compiler.disable

@@ -319,10 +319,11 @@ class SmallBatchLinears:
         self.plain_steps.add(key)
         return True
 
-    def greedy_step(self, check: bool) -> greedy_head.GreedyStep | None:
+    def greedy_step(self, check: bool, head_rows: int) -> greedy_head.GreedyStep | None:
         """A request for the head's picks in the next forward (`active(..., greedy=)`), or None: no head that
-        screens. `check`: that forward computes real logits for the runner to compare (greedy_head)."""
-        if self.greedy_head is None:
+        screens, or one measured to take its usual product at `head_rows` rows. `check`: that forward computes real
+        logits for the runner to compare (greedy_head)."""
+        if self.greedy_head is None or (not check and greedy_head.known_plain(self.greedy_head, head_rows)):
             return None
         return greedy_head.GreedyStep(self.greedy_head, self.head_function, check=check)
 

@@ -337,3 +337,22 @@ def test_a_runner_asks_no_picks_where_the_plain_head_was_chosen(monkeypatch, one
         assert len(calls) == 1  # the checking step's; later steps run the head as without greedy steps
     finally:
         TABLE.clear()
+
+
+def test_a_nan_in_the_checking_step_does_not_turn_the_screen_off(forced, one_torch_thread):
+    """The check compares the head's output bit for bit: a request whose logits are NaN in the first greedy step
+    ends alone, and later steps still take picks."""
+    model = cached_model("llama", seed=7)
+    llm = hf_paged.LLM(model)
+    embed = model.get_input_embeddings().weight
+    saved = embed[9].detach().clone()
+    with torch.no_grad():
+        embed[9] = float("nan")  # token 9 poisons its own request
+    try:
+        params = hf_paged.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        outs = llm.generate([[9, 4, 5], [6, 7, 8]], params, use_tqdm=False)
+        assert outs[0].outputs[0].finish_reason == "error" and len(outs[1].outputs[0].token_ids) == 6
+        assert llm.engine.runner.head_gives_logits is True and llm.engine.runner.greedy_picks > 0
+    finally:
+        with torch.no_grad():
+            embed[9] = saved

@@ -194,8 +194,9 @@ class ModelRunner:
         model returned anything but the head's placeholder (its code changed since the check) is refused: the step
         is undone and later steps compute logits."""
         if greedy.check:
-            self.head_gives_logits = (logits is greedy.output and greedy.snapshot is not None
-                                      and torch.equal(logits, greedy.snapshot))
+            self.head_gives_logits = (logits is greedy.output and greedy.snapshot is not None  # bit for bit: NaN too
+                                      and torch.equal(logits.contiguous().view(torch.uint8),
+                                                      greedy.snapshot.view(torch.uint8)))
             return False
         if greedy.token_ids is None:
             return False

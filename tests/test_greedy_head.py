@@ -356,3 +356,15 @@ def test_a_nan_in_the_checking_step_does_not_turn_the_screen_off(forced, one_tor
     finally:
         with torch.no_grad():
             embed[9] = saved
+
+
+def test_a_soft_capping_model_computes_logits(forced, one_torch_thread):
+    """gemma2 soft-caps its logits after the head (tanh): the checking step sees a new tensor, so no picks; the
+    tokens are HF's."""
+    model = cached_model("gemma2")
+    assert model.config.final_logit_softcapping
+    tokens, runner = generate(model)
+    assert runner.head_gives_logits is False and runner.greedy_picks == 0
+    for prompt, row in zip(PROMPTS, tokens):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert row == want[0, len(prompt):].tolist()

@@ -299,6 +299,7 @@ class PackedLinears:
         self.modules = modules
         self._seen: list = []  # weak references to the copies the joined sample below was built from
         self._views: list[torch.Tensor] = []  # views of those copies' weights (this engine's, between forwards)
+        self._mixed = False  # whether those weights have more than one dtype
         self._values: torch.Tensor | None = None
 
     def verify(self) -> bool:
@@ -316,8 +317,13 @@ class PackedLinears:
         if len(live) != len(self._seen) or any(ref() is not c for ref, (_, c) in zip(self._seen, live)):
             self._seen = [weakref.ref(c) for _, c in live]
             self._views = [v for m, c in live for v in c.sample_views(m.weight)]
+            self._mixed = len({c.dtype for _, c in live}) > 1
             self._values = torch.cat([c.values for _, c in live])
-        if torch.equal(torch.cat([_bits(v) for v in self._views]), self._values):  # per view: dtypes may differ
+        if not self._mixed:  # one dtype (the usual case): one cat, one view
+            sampled = _bits(torch.cat(self._views))
+        else:  # bf16 linears beside an fp32 head's screen (greedy_head): the bits of each view, then one cat
+            sampled = torch.cat([_bits(v) for v in self._views])
+        if torch.equal(sampled, self._values):
             return True
         self.forget()
         return False

@@ -84,11 +84,13 @@ class ModelRunner:
         its raw logits' argmax with no sampling hook, the head may screen and the model returns the head's output
         as its logits (the first such step checks that, with real logits); else None."""
         if (self.head_gives_logits is False or not isinstance(inputs, StepInputs)
-                or not self.spec.accepts_logits_to_keep or self.linears.greedy_head is None
-                or not all(r.controller is None and picks_by_argmax(r.params, r.banned_token_ids())
-                           for r in plan.sampled)):
+                or not self.spec.accepts_logits_to_keep):
             return None
-        return self.linears.greedy_step(self.head_gives_logits is None, len(inputs.sampled))
+        step = self.linears.greedy_step(self.head_gives_logits is None, len(inputs.sampled))  # cheap checks first
+        if step is None or not all(r.controller is None and picks_by_argmax(r.params, r.banned_token_ids())
+                                   for r in plan.sampled):
+            return None
+        return step
 
     def prepare(self, batch: StepPlan) -> StepInputs | PaddedDecode:
         if self.graphs is not None and self.graphs.accepts(batch):

@@ -13,6 +13,7 @@ from ..kv.state import StateSlots
 from ..kv.slots import slots_of
 from ..model import (ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock, paged_attention_active,
                      require_enabled)
+from ..model.greedy_head import returned_untouched
 from ..model.state_layers import StateStep
 from ..sampling import Sampler, picks_by_argmax
 from .cuda_graphs import DecodeGraphRunner, DecodeGraphSettings, PaddedDecode
@@ -196,9 +197,7 @@ class ModelRunner:
         model returned anything but the head's placeholder (its code changed since the check) is refused: the step
         is undone and later steps compute logits."""
         if greedy.check:
-            self.head_gives_logits = (logits is greedy.output and greedy.snapshot is not None  # bit for bit: NaN too
-                                      and torch.equal(logits.contiguous().view(torch.uint8),
-                                                      greedy.snapshot.view(torch.uint8)))
+            self.head_gives_logits = returned_untouched(logits, greedy)
             return False
         if greedy.token_ids is None:
             return False

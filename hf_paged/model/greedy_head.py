@@ -25,8 +25,10 @@ Invariants:
   `nn.Linear` without bias, on 1..MAX_ROWS rows, without gradients or autocast (`takes`). Anything else gets the
   head's usual product (`GreedyStep.plain`), and so does the same module called from another thread.
 - The model must give back the head's output as its logits, untouched (no soft-capping or scaling after the head):
-  the runner checks that on its first greedy step, which computes real logits (`GreedyStep.check`); a model that
-  fails it is never screened.
+  the runner checks that on its first greedy step, which computes real logits (`GreedyStep.check`: the very tensor,
+  its first row bit for bit); a model that fails it is never screened. Later, the head returns a placeholder shaped
+  like the logits (a 0-d tensor expanded: an in-place edit of it raises); a model that returns anything else has its
+  step refused (the runner).
 - A call with any non-finite or huge row (||x_r|| max ||W_j|| >= LIMIT) takes the usual product for all its rows, so
   NaN / inf logits end their requests exactly as without the screen. A copy of a weight with a non-finite row norm
   is not used.
@@ -167,12 +169,25 @@ def pick(module: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
     return token
 
 
+def _first_row(logits: torch.Tensor) -> torch.Tensor:
+    """The first row of a head's output: what the checking step keeps and compares (anything a model does to its
+    logits after the head, soft-capping, scaling, masking vocabulary entries, does it to every row)."""
+    return logits.reshape(-1, logits.shape[-1])[0]
+
+
+def returned_untouched(logits: torch.Tensor, step: "GreedyStep") -> bool:
+    """After a checking forward: the model's logits are the head's output itself, and its first row holds, bit for
+    bit (NaN included), what the head wrote."""
+    return (logits is step.output and step.snapshot is not None
+            and torch.equal(_first_row(logits).contiguous().view(torch.uint8), step.snapshot.view(torch.uint8)))
+
+
 @dataclass(slots=True)
 class GreedyStep:
     """What a runner asks of the LM head for one forward (set in `THIS_THREAD.greedy` while it runs).
 
-    `check`: compute the real logits and keep them (`output`) with a copy (`snapshot`), so that the runner can see
-    whether the model hands them back untouched. Otherwise `token_ids` holds the picks when the head screened, and
+    `check`: compute the real logits and keep them (`output`) with a copy of their first row (`snapshot`), so that
+    the runner can see whether the model hands them back untouched (`returned_untouched`). Otherwise `token_ids` holds the picks when the head screened, and
     `output` the placeholder it returned (shaped like the logits, never read); when it did not, `output` holds the
     real logits and `token_ids` stays None."""
     head: torch.nn.Module
@@ -229,7 +244,7 @@ def greedy_head_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
         return torch.nn.functional.linear(input, self.weight, self.bias)
     if step.check:
         step.output = step.plain(self, input)
-        step.snapshot = step.output.detach().clone()
+        step.snapshot = _first_row(step.output).clone()
         return step.output
     shape = input.shape
     m = input.numel() // shape[-1] if shape and shape[-1] else 0

@@ -368,3 +368,14 @@ def test_a_soft_capping_model_computes_logits(forced, one_torch_thread):
     for prompt, row in zip(PROMPTS, tokens):
         want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert row == want[0, len(prompt):].tolist()
+
+
+def test_status_says_whether_the_screen_is_on(monkeypatch):
+    from hf_paged.model.small_linear import small_linear_status
+
+    monkeypatch.setenv(greedy_head.SWITCH, "0")
+    assert greedy_head.status() == f"off ({greedy_head.SWITCH}=0)" and not greedy_head.available()
+    monkeypatch.setenv(greedy_head.SWITCH, "force")
+    assert greedy_head.status() == "forced"
+    monkeypatch.delenv(greedy_head.SWITCH)
+    assert "LM head: bf16 screen measured per row count" in small_linear_status()

@@ -379,3 +379,12 @@ def test_status_says_whether_the_screen_is_on(monkeypatch):
     assert greedy_head.status() == "forced"
     monkeypatch.delenv(greedy_head.SWITCH)
     assert "LM head: bf16 screen measured per row count" in small_linear_status()
+
+
+def test_a_step_that_samples_nothing_asks_no_picks(forced, one_torch_thread):
+    """A chunked prompt's first chunks sample nothing: no picks are asked for (and nothing to check)."""
+    model = cached_model("llama")
+    prompts = [list(range(3, 60))]
+    tokens, runner = generate(model, prompts=prompts, max_num_batched_tokens=16, enable_chunked_prefill=True)
+    assert runner.head_gives_logits is True and runner.greedy_picks > 0
+    assert tokens == plain_tokens(model, prompts=prompts)

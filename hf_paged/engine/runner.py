@@ -84,7 +84,7 @@ class ModelRunner:
         """A request for the LM head's picks (greedy_head.GreedyStep) when every sampled request of the step takes
         its raw logits' argmax with no sampling hook, the head may screen and the model returns the head's output
         as its logits (the first such step checks that, with real logits); else None."""
-        if (self.head_gives_logits is False or not isinstance(inputs, StepInputs)
+        if (self.head_gives_logits is False or not plan.sampled or not isinstance(inputs, StepInputs)
                 or not self.spec.accepts_logits_to_keep):
             return None
         step = self.linears.greedy_step(self.head_gives_logits is None, len(inputs.sampled))  # cheap checks first

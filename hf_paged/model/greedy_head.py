@@ -172,7 +172,8 @@ def pick(module: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
 def _first_row(logits: torch.Tensor) -> torch.Tensor:
     """The first row of a head's output: what the checking step keeps and compares (anything a model does to its
     logits after the head, soft-capping, scaling, masking vocabulary entries, does it to every row)."""
-    return logits.reshape(-1, logits.shape[-1])[0]
+    rows = logits.reshape(-1, logits.shape[-1])
+    return rows[:1]  # no rows: nothing (a checking step always has some: the runner asks only when it samples)
 
 
 def returned_untouched(logits: torch.Tensor, step: "GreedyStep") -> bool:

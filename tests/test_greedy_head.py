@@ -1,13 +1,11 @@
 """The greedy LM head (hf_paged/model/greedy_head.py): picks from a bf16 screen are the argmax of fp32 logits, near
-ties and exact ties included; the engine uses them only where every request takes its raw logits' argmax and the
-model returns the head's output untouched; weights that change, non-finite rows and other threads get the plain
-product."""
+ties and exact ties included; stale copies, non-finite rows, a bound that does not hold and other threads get the
+plain product. In the engine: tests/test_greedy_head_engine.py."""
 import threading
 
 import pytest
 import torch
 
-import hf_paged
 from hf_paged.model import greedy_head, packed_linear
 from hf_paged.model.linear_choice import TABLE
 from hf_paged.sampling import first_argmax
@@ -15,6 +13,12 @@ from hf_paged.sampling import first_argmax
 from conftest import cached_model
 
 pytestmark = pytest.mark.skipif(not greedy_head.available(), reason="no oneDNN bf16 or no C compiler")
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setenv(greedy_head.SWITCH, "force")
+    yield
 
 
 class Head(torch.nn.Module):
@@ -109,158 +113,6 @@ def test_a_stale_copy_is_caught_by_the_picks_check():
     assert greedy_head.pick(net.head, x) is None
     assert packed_linear._COPIES.get(net.head) is None  # dropped: the next call packs afresh
 
-
-# ---- in the engine ------------------------------------------------------------------------------------------
-PROMPTS = [[5, 9, 14, 3, 77], [8, 8, 21], list(range(3, 40)), [100, 3, 50, 60, 70, 80, 90]]
-
-
-@pytest.fixture
-def forced(monkeypatch):
-    monkeypatch.setenv(greedy_head.SWITCH, "force")
-    yield
-
-
-def generate(model, params=None, prompts=PROMPTS, **options):
-    llm = hf_paged.LLM(model, **options)
-    params = params or hf_paged.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(o.token_ids) for o in outs], llm.engine.runner
-
-
-def plain_tokens(model, params=None, prompts=PROMPTS):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(greedy_head.SWITCH, "0")
-        tokens, runner = generate(model, params, prompts)
-    assert runner.linears.greedy_head is None
-    return tokens
-
-
-def test_the_engine_picks_on_greedy_steps_with_hfs_tokens(forced, one_torch_thread):
-    model = cached_model("llama")
-    tokens, runner = generate(model)
-    assert runner.head_gives_logits is True and runner.greedy_picks > 0
-    assert tokens == plain_tokens(model)
-    for prompt, row in zip(PROMPTS, tokens):
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert row == want[0, len(prompt):].tolist()
-
-
-@pytest.mark.parametrize("params", [
-    hf_paged.SamplingParams(max_tokens=8, temperature=0.0, logprobs=2),
-    hf_paged.SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3),
-    hf_paged.SamplingParams(max_tokens=8, temperature=0.0, min_tokens=4),  # EOS banned for 4 steps
-    hf_paged.SamplingParams(max_tokens=8, temperature=0.8, seed=3),
-], ids=["logprobs", "penalty", "min_tokens", "sampling"])
-def test_steps_that_need_logits_get_them(forced, params, one_torch_thread):
-    model = cached_model("llama")
-    tokens, runner = generate(model, params)
-    if params.min_tokens:  # once EOS may be sampled, the argmax is all a step needs
-        assert runner.greedy_picks > 0
-        assert all(len(row) >= 4 for row in tokens)
-    else:
-        assert runner.greedy_picks == 0
-    assert tokens == plain_tokens(model, params)
-
-
-@pytest.mark.parametrize("in_place", [False, True])
-def test_a_model_that_changes_its_heads_output_is_never_screened(forced, in_place, one_torch_thread):
-    model = cached_model("llama")
-    bias = torch.zeros(model.config.vocab_size)
-    bias[17] = 1e4  # token 17 wins every step: the head's own argmax would not
-
-    def hook(module, args, output):
-        if in_place:
-            output.logits.add_(bias)
-        else:
-            output.logits = output.logits + bias
-        return output
-
-    handle = model.register_forward_hook(hook)
-    try:
-        tokens, runner = generate(model)
-        assert runner.head_gives_logits is False and runner.greedy_picks == 0
-        assert all(set(row) == {17} for row in tokens)
-    finally:
-        handle.remove()
-
-
-def test_a_change_after_the_check_is_refused_not_hidden(forced, one_torch_thread):
-    model = cached_model("llama")
-    llm = hf_paged.LLM(model)
-    params = hf_paged.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm.generate(PROMPTS[:1], params, use_tqdm=False)
-    runner = llm.engine.runner
-    assert runner.head_gives_logits is True
-    bias = torch.zeros(model.config.vocab_size)
-    bias[17] = 1e4
-    handle = model.register_forward_hook(lambda m, a, out: setattr(out, "logits", out.logits + bias) or out)
-    try:
-        engine = llm.engine
-        engine.add_request(PROMPTS[1], params, request_id="r")
-        with pytest.raises(RuntimeError, match="LM head"):
-            while engine.has_unfinished:
-                engine.step()
-        assert runner.head_gives_logits is False
-        finished = []
-        while engine.has_unfinished:  # the refused step was undone: stepping on computes logits
-            finished += [r for r in engine.step() if r.is_finished]
-        assert set(finished[0].output_token_ids) == {17}
-    finally:
-        handle.remove()
-
-
-def test_new_weights_give_new_picks(forced, one_torch_thread):
-    model = cached_model("llama", seed=5)
-    llm = hf_paged.LLM(model, enable_prefix_caching=False)
-    params = hf_paged.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    first = [list(o.token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    head = model.get_output_embeddings()
-    saved = head.weight.detach().clone()
-    try:
-        for change in ("optimizer", "data"):
-            if change == "optimizer":  # the version counter moves
-                with torch.no_grad():
-                    head.weight.copy_(saved.roll(1, dims=0))
-            else:  # `.data`: only the sampled entries show it
-                head.weight.data.copy_(saved.roll(2, dims=0))
-            got = [list(o.token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-            assert got != first
-            assert got == plain_tokens(model, params)
-    finally:
-        with torch.no_grad():
-            head.weight.copy_(saved)
-
-
-def test_non_finite_hidden_states_end_requests_as_before(forced, one_torch_thread):
-    model = cached_model("llama", seed=6)
-    norm = model.model.norm.weight
-    saved = norm.detach().clone()
-    try:
-        with torch.no_grad():
-            norm[3] = float("nan")
-        llm = hf_paged.LLM(model)
-        outs = llm.generate(PROMPTS[:2], hf_paged.SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
-        assert all(o.outputs[0].finish_reason == "error" for o in outs)
-        assert llm.engine.runner.greedy_picks == 0
-    finally:
-        with torch.no_grad():
-            norm.copy_(saved)
-
-
-def test_measured_mode_records_its_choice(monkeypatch, one_torch_thread):
-    monkeypatch.delenv(greedy_head.SWITCH, raising=False)
-    TABLE.clear()
-    try:
-        model = cached_model("llama")
-        tokens, runner = generate(model)
-        assert tokens == plain_tokens(model)
-        chosen = [c for c in TABLE.report() if c["dtype"] == "greedy"]
-        assert chosen and {c["path"] for c in chosen} <= {greedy_head.SCREEN, greedy_head.PLAIN}
-        assert all(set(c["us"]) == {greedy_head.SCREEN, greedy_head.PLAIN} for c in chosen)
-    finally:
-        TABLE.clear()
-
-
 def test_other_threads_and_plain_calls_get_plain_logits(forced):
     model = cached_model("llama")
     head = model.get_output_embeddings()
@@ -282,19 +134,6 @@ def test_other_threads_and_plain_calls_get_plain_logits(forced):
         assert step.token_ids.tolist() == first_argmax(torch.nn.functional.linear(x[0], head.weight)).tolist()
     finally:
         THIS_THREAD.greedy, THIS_THREAD.linears = None, set()
-
-
-def test_hfs_generate_takes_picks_when_it_would_take_the_argmax(forced, engine_runs, one_torch_thread):
-    """`model.generate(..., cache_implementation="paged")` greedy with no processors runs on the engine's own
-    sampler: its steps take picks, with HF's tokens; with a processor they get logits."""
-    from conftest import assert_same_as_hf, left_padded_batch
-
-    model = cached_model("llama")
-    ids, mask = left_padded_batch([5, 9, 3])
-    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)
-    assert engine_runs[-1].engine.runner.greedy_picks > 0
-    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False, repetition_penalty=1.3)
-    assert engine_runs[-1].engine.runner.greedy_picks == 0
 
 
 def test_a_screen_beyond_its_bound_is_never_chosen(monkeypatch, caplog):
@@ -319,57 +158,6 @@ def test_a_screen_beyond_its_bound_is_never_chosen(monkeypatch, caplog):
         TABLE.clear()
 
 
-def test_a_runner_asks_no_picks_where_the_plain_head_was_chosen(monkeypatch, one_torch_thread):
-    monkeypatch.delenv(greedy_head.SWITCH, raising=False)
-    TABLE.clear()
-    try:
-        model = cached_model("llama")
-        llm = hf_paged.LLM(model)
-        head = llm.engine.runner.linears.greedy_head
-        for rows in (1, 2, 4):
-            TABLE.fast[(head.weight.shape, "greedy", rows, torch.get_num_threads(), True)] = greedy_head.PLAIN
-        calls = []
-        real = greedy_head.greedy_head_forward
-        monkeypatch.setattr(greedy_head, "greedy_head_forward", lambda self, x: (calls.append(1), real(self, x))[1])
-        params = hf_paged.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        llm.generate(PROMPTS, params, use_tqdm=False)
-        assert llm.engine.runner.head_gives_logits is True and llm.engine.runner.greedy_picks == 0
-        assert len(calls) == 1  # the checking step's; later steps run the head as without greedy steps
-    finally:
-        TABLE.clear()
-
-
-def test_a_nan_in_the_checking_step_does_not_turn_the_screen_off(forced, one_torch_thread):
-    """The check compares the head's output bit for bit: a request whose logits are NaN in the first greedy step
-    ends alone, and later steps still take picks."""
-    model = cached_model("llama", seed=7)
-    llm = hf_paged.LLM(model)
-    embed = model.get_input_embeddings().weight
-    saved = embed[9].detach().clone()
-    with torch.no_grad():
-        embed[9] = float("nan")  # token 9 poisons its own request
-    try:
-        params = hf_paged.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        outs = llm.generate([[9, 4, 5], [6, 7, 8]], params, use_tqdm=False)
-        assert outs[0].outputs[0].finish_reason == "error" and len(outs[1].outputs[0].token_ids) == 6
-        assert llm.engine.runner.head_gives_logits is True and llm.engine.runner.greedy_picks > 0
-    finally:
-        with torch.no_grad():
-            embed[9] = saved
-
-
-def test_a_soft_capping_model_computes_logits(forced, one_torch_thread):
-    """gemma2 soft-caps its logits after the head (tanh): the checking step sees a new tensor, so no picks; the
-    tokens are HF's."""
-    model = cached_model("gemma2")
-    assert model.config.final_logit_softcapping
-    tokens, runner = generate(model)
-    assert runner.head_gives_logits is False and runner.greedy_picks == 0
-    for prompt, row in zip(PROMPTS, tokens):
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert row == want[0, len(prompt):].tolist()
-
-
 def test_status_says_whether_the_screen_is_on(monkeypatch):
     from hf_paged.model.small_linear import small_linear_status
 
@@ -381,10 +169,18 @@ def test_status_says_whether_the_screen_is_on(monkeypatch):
     assert "LM head: bf16 screen measured per row count" in small_linear_status()
 
 
-def test_a_step_that_samples_nothing_asks_no_picks(forced, one_torch_thread):
-    """A chunked prompt's first chunks sample nothing: no picks are asked for (and nothing to check)."""
-    model = cached_model("llama")
-    prompts = [list(range(3, 60))]
-    tokens, runner = generate(model, prompts=prompts, max_num_batched_tokens=16, enable_chunked_prefill=True)
-    assert runner.head_gives_logits is True and runner.greedy_picks > 0
-    assert tokens == plain_tokens(model, prompts=prompts)
+def test_copies_of_weights_of_two_dtypes_are_verified_alike():
+    """bf16 linears beside an fp32 head's bf16 screen (greedy_head): the samples of both are compared bit for bit, so
+    nothing is repacked at every forward, and a write through `.data` to either is seen."""
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    head = torch.nn.Linear(48, 300, bias=False)
+    assert packed_linear.copy_for(proj, proj.weight) is not None
+    assert packed_linear.copy_for(head, head.weight, torch.bfloat16) is not None
+    packed = packed_linear.PackedLinears([proj, head])
+    assert packed.verify() and packed.verify()
+    assert packed_linear._COPIES.get(proj) is not None and packed_linear._COPIES.get(head) is not None
+    head.weight.data.mul_(-1)
+    assert not packed.verify()
+    assert packed_linear._COPIES.get(head) is None and packed_linear._COPIES.get(proj) is None
+

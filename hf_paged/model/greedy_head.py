@@ -146,21 +146,28 @@ def takes(module: torch.nn.Module, rows: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu"))
 
 
-def pick(module: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
-    """Each row's greedy token ([m] int64), or None where the usual product must run instead (no copy, a non-finite
-    or huge row, a pick that contradicts the copy). `rows` [m, k], each row contiguous; `takes` holds."""
-    picker = load_picker()
-    weight = module.weight
-    copy = packed_linear.copy_for(module, weight, SCREEN_DTYPE)
-    if picker is None or copy is None or not math.isfinite(copy.row_norm_max):
+def _screen(module: torch.nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The bf16 screen of `rows` [m, k] and each row's slack 2 B_r (float64), or None: no copy, a weight with a
+    non-finite row norm, or a non-finite or huge row."""
+    copy = packed_linear.copy_for(module, module.weight, SCREEN_DTYPE)
+    if copy is None or not math.isfinite(copy.row_norm_max):
         return None
     norms = rows.double().norm(dim=1)
     if not bool(torch.isfinite(norms).all()) or float(norms.max()) * copy.row_norm_max >= LIMIT:
         return None
-    k = rows.shape[1]
     screen = torch.ops.mkldnn._linear_pointwise(rows.to(SCREEN_DTYPE), copy.packed, None, "none", [], "")
-    gap = slack(norms, copy.row_norm_max, k)
-    token, value, _ = picker(screen, rows, weight, gap)
+    return screen, slack(norms, copy.row_norm_max, rows.shape[1])
+
+
+def pick(module: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
+    """Each row's greedy token ([m] int64), or None where the usual product must run instead (no picker, no screen:
+    `_screen`, a pick that contradicts the copy). `rows` [m, k], each row contiguous; `takes` holds."""
+    picker = load_picker()
+    screened = _screen(module, rows) if picker is not None else None
+    if screened is None:
+        return None
+    screen, gap = screened
+    token, value, _ = picker(screen, rows, module.weight, gap)
     # the picks agree with the copy: a weight changed without the checks seeing it would be caught here for the
     # picks at least (the screen then was of another weight)
     if bool(((screen.gather(1, token[:, None])[:, 0].double() - value.double()).abs() > gap / 2).any()):
@@ -188,9 +195,9 @@ class GreedyStep:
     """What a runner asks of the LM head for one forward (set in `THIS_THREAD.greedy` while it runs).
 
     `check`: compute the real logits and keep them (`output`) with a copy of their first row (`snapshot`), so that
-    the runner can see whether the model hands them back untouched (`returned_untouched`). Otherwise `token_ids` holds the picks when the head screened, and
-    `output` the placeholder it returned (shaped like the logits, never read); when it did not, `output` holds the
-    real logits and `token_ids` stays None."""
+    the runner can see whether the model hands them back untouched (`returned_untouched`). Otherwise `token_ids`
+    holds the picks when the head screened, and `output` the placeholder it returned (shaped like the logits, never
+    read); when it did not, `output` holds the real logits and `token_ids` stays None."""
     head: torch.nn.Module
     plain: Callable  # the head's usual forward (a plain function taking the module and the input)
     check: bool = False
@@ -202,13 +209,11 @@ class GreedyStep:
 def bound_holds(module: torch.nn.Module, rows: torch.Tensor, logits: torch.Tensor) -> bool:
     """Whether every screen value of `rows` lies within B_r of the fp32 logits `logits` (the head's usual product):
     the bound's premises (one bf16 rounding of each input, fp32 accumulation) checked on this machine's oneDNN
-    once per probe. False also without a copy or for rows `pick` would not screen."""
-    copy = packed_linear.copy_for(module, module.weight, SCREEN_DTYPE)
-    norms = rows.double().norm(dim=1)
-    if copy is None or not math.isfinite(copy.row_norm_max) or not bool(torch.isfinite(norms).all()):
+    once per probe. False also where `_screen` gives none."""
+    screened = _screen(module, rows)
+    if screened is None:
         return False
-    screen = torch.ops.mkldnn._linear_pointwise(rows.to(SCREEN_DTYPE), copy.packed, None, "none", [], "")
-    gap = slack(norms, copy.row_norm_max, rows.shape[1])
+    screen, gap = screened
     return bool(((screen.double() - logits.double()).abs() <= gap[:, None] / 2).all())
 
 

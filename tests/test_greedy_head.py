@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_paged.model import greedy_head, packed_linear
-from hf_paged.model.linear_choice import TABLE
+from hf_paged.model.linear_choice import TABLE, Key
 from hf_paged.sampling import first_argmax
 
 from conftest import cached_model
@@ -137,8 +137,8 @@ def test_other_threads_and_plain_calls_get_plain_logits(forced):
 
 
 def test_a_screen_beyond_its_bound_is_never_chosen(monkeypatch, caplog):
-    """The probe checks the bound's premises on this machine: a bound that does not hold (here: cut to nothing)
-    leaves the usual product as the only candidate, with a warning."""
+    """A trial first checks the bound's premises on this machine: a bound that does not hold (here: cut to nothing)
+    leaves the usual product as the only candidate, chosen at once, with a warning."""
     monkeypatch.delenv(greedy_head.SWITCH, raising=False)
     TABLE.clear()
     try:
@@ -149,9 +149,10 @@ def test_a_screen_beyond_its_bound_is_never_chosen(monkeypatch, caplog):
         monkeypatch.setattr(greedy_head, "bound_factor", lambda k: 0.0)
         assert not greedy_head.bound_holds(net.head, x, torch.nn.functional.linear(x, net.head.weight))
         step = greedy_head.GreedyStep(net.head, lambda m, inp: torch.nn.functional.linear(inp, m.weight))
-        key = (net.head.weight.shape, "greedy", 8, torch.get_num_threads(), True)
+        key = Key(tuple(net.head.weight.shape), "greedy", 8, torch.get_num_threads(), True)
         with caplog.at_level("WARNING", logger="hf_paged"):
-            assert greedy_head._choose(key, net.head, x, step) == greedy_head.PLAIN
+            assert greedy_head._trial(key, net.head, x, step) == (None, greedy_head.PLAIN)
+        assert not TABLE.trials and TABLE.choices[key].source == "only candidate"
         assert "strayed beyond its rounding bound" in caplog.text
         assert greedy_head.known_plain(net.head, 7)
     finally:

@@ -230,7 +230,8 @@ def test_a_step_whose_products_are_all_f_linear_swaps_nothing(monkeypatch):
             net.head(torch.randn(1, head_rows, 40))
         return seen
 
-    assert swapped(3, 1) == (True, True)  # first calls: measured
+    while not TABLE.fast or TABLE.trials:  # first calls: measured
+        assert swapped(3, 1) == (True, True)
     fast = dict(TABLE.fast)
     assert len(fast) == 2
     monkeypatch.setattr(TABLE, "fast", {key: torch.nn.functional.linear for key in fast})

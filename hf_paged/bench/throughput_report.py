@@ -16,7 +16,8 @@ def _linear_paths(result: dict) -> dict[str, str]:
 
 def print_small_linears(results: list[dict]) -> None:
     """The few-row linear products hf_paged's workers measured and chose (model/linear_choice.py), per weight shape
-    and row bucket: each candidate's best time in us, and whether every round chose alike."""
+    and row bucket: each candidate's median time in us over its timed calls inside the steps (a candidate dropped
+    early: its better call), and whether every round chose alike."""
     for r in results:
         if not r.get("small_linears"):
             continue
@@ -31,7 +32,7 @@ def print_small_linears(results: list[dict]) -> None:
                  *(c["us"].get(name) for name in names), c["probe_ms"]] for c in choices]
         if rows:
             print(format_table(["weight", "dtype", "rows <=", "threads", "chosen",
-                                *(f"{PRODUCT_LABELS[name]} us" for name in names), "probe ms"], rows))
+                                *(f"{PRODUCT_LABELS[name]} us" for name in names), "trial ms"], rows))
 
 
 # the products a measured linear chooses from: fp32 (model/small_linear.py) and bf16 (model/packed_linear.py); a

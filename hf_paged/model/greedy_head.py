@@ -36,9 +36,10 @@ Invariants:
   version counter and sampled entries before every forward; `reset_prefix_cache()` drops it): an optimizer step or
   `load_state_dict` makes a new one. Each pick is also checked against the copy: its exact logit must lie within B_r
   of its screen value, else the copy is dropped and the call takes the usual product.
-- Worth it only where measured: the first call of each (head shape, row bucket, threads) times the screen against
-  the head's usual product followed by `first_argmax` on that call's rows (`linear_choice.TABLE`, dtype "greedy");
-  the usual product stays unless the screen is more than 5 % faster. `HF_PAGED_GREEDY_HEAD=0` turns the screen off
+- Worth it only where measured: the first calls of each (head shape, row bucket, threads) run the screen and the
+  head's usual product followed by `first_argmax` in turn, each call timed in its own step (`linear_choice.Trial`,
+  dtype "greedy"; the first checks the bound against the usual product's logits on those rows: a oneDNN that broke
+  its premises leaves only the usual product); the usual product stays unless the screen is more than 5 % faster. `HF_PAGED_GREEDY_HEAD=0` turns the screen off
   (also: no C compiler, no oneDNN bf16), `=force` screens wherever it may (tests).
 - Memory: the bf16 copy, half the head's size, under packed_linear's budget.
 """
@@ -57,7 +58,7 @@ import torch
 from .. import native
 from ..config import logger
 from ..sampling import first_argmax
-from . import packed_linear
+from . import linear_choice, packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
@@ -217,21 +218,22 @@ def bound_holds(module: torch.nn.Module, rows: torch.Tensor, logits: torch.Tenso
     return bool(((screen.double() - logits.double()).abs() <= gap[:, None] / 2).all())
 
 
-def _choose(key: tuple, module: torch.nn.Module, rows: torch.Tensor, step: GreedyStep):
-    """Probe `key` on this call's rows (the bucket's row count, rows repeated): the screen against the usual product
-    and `first_argmax`. The usual product's own choice for this row count is made first (TABLE's lock is not
-    re-entrant); where the screen strays beyond its bound from those logits, the usual product is the only
-    candidate (and a warning says so)."""
-    want = key[2]
-    if rows.shape[0] != want:
-        rows = rows[torch.arange(want, device=rows.device) % rows.shape[0]]
-    runs = {PLAIN: lambda: first_argmax(step.plain(module, rows)), SCREEN: lambda: pick(module, rows)}
-    with torch.no_grad():
-        if not bound_holds(module, rows, step.plain(module, rows)):
-            logger.warning("hf_paged: the bf16 screen of a %s LM head strayed beyond its rounding bound on this "
-                           "machine; greedy steps compute full logits", tuple(module.weight.shape))
-            del runs[SCREEN]
-        return TABLE.choose(Key(tuple(key[0]), *key[1:]), {PLAIN: PLAIN, SCREEN: SCREEN}, runs, baseline=PLAIN)
+def _trial(key: Key, module: torch.nn.Module, rows: torch.Tensor, step: GreedyStep) -> tuple[str | None, str]:
+    """For a call of `key` without a choice: (name, product) of the candidate this call runs for the trial, or
+    (None, the choice) where it is made. The trial's first call checks the screen's bound on these rows first; where
+    the screen strays beyond it from the usual product's logits, the usual product is the only candidate (a warning
+    says so)."""
+    products = {PLAIN: PLAIN, SCREEN: SCREEN}
+    if key not in TABLE.trials and key not in TABLE.fast:
+        with torch.no_grad():
+            if not bound_holds(module, rows, step.plain(module, rows)):
+                logger.warning("hf_paged: the bf16 screen of a %s LM head strayed beyond its rounding bound on this "
+                               "machine; greedy steps compute full logits", tuple(module.weight.shape))
+                products = {PLAIN: PLAIN}
+    name, choice = TABLE.pick(key, products)
+    if name is None and choice == PLAIN:
+        packed_linear.forget([module])  # no copy kept while the usual product is chosen
+    return name, choice
 
 
 def known_plain(module: torch.nn.Module, rows: int) -> bool:
@@ -261,14 +263,20 @@ def greedy_head_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     key = (self.weight.shape, "greedy", BUCKET_OF[m], torch.get_num_threads(), True)
-    choice = SCREEN if mode() == "force" else TABLE.fast.get(key)
+    choice, name = SCREEN if mode() == "force" else TABLE.fast.get(key), None
     if choice is None:
-        choice = _choose(key, self, rows, step)
-        if choice == PLAIN:
-            packed_linear.forget([self])  # no copy kept while the usual product is chosen
+        key = Key(tuple(key[0]), *key[1:])
+        name, choice = _trial(key, self, rows, step)
+        started = linear_choice.clock()
     token = pick(self, rows) if choice == SCREEN else None
     if token is None:
         step.output = step.plain(self, input)
+        if name is not None:
+            first_argmax(step.output.reshape(m, -1))  # timed as what the runner does with the logits
+    if name is not None and TABLE.record(key, name, linear_choice.clock() - started, baseline=PLAIN) \
+            and TABLE.fast.get(key) == PLAIN:
+        packed_linear.forget([self])
+    if token is None:
         return step.output
     step.token_ids = token
     step.output = input.new_empty(()).expand(*shape[:-1], self.weight.shape[0])  # shaped like the logits

@@ -2,26 +2,26 @@
 
 `small_linear` has up to three ways to compute y = x W^T (+ b) for a handful of rows x: the native kernel, W @ x^T,
 and F.linear. Which is fastest depends on the CPU (an AMX Xeon's MKL beat the kernel 1.7x; on an EPYC the kernel wins
-2x on the LM head), on the weight's shape and on the row count. So nothing is assumed: the first call of each
-`Key` (weight shape, dtype, row bucket, torch threads, whether the kernel loaded) times every candidate on that call's
-own weight (`time_paths`), and the fastest is kept in a process-wide table (`TABLE`) that later calls read with one
-dict lookup.
+2x on the LM head), on the weight's shape, on the row count and on what the cache holds when the call comes. So
+nothing is assumed: the first calls of each `Key` (weight shape, dtype, row bucket, torch threads, whether the kernel
+loaded) run and time the candidates in turn on the model's own weights in its own forwards (`Trial`), and the fastest
+is kept in a process-wide table (`TABLE`) that later calls read with one dict lookup.
 
 Invariants:
-- A key is probed at most once per process (under `TABLE.lock`; a second thread waits for the first's result), unless
-  `TABLE.clear()` is called. Probing never changes results beyond rounding: every candidate computes the same sums in
-  another order, and the call that triggered the probe returns its own product afterwards.
-- Row buckets are powers of two (`BUCKETS`): a call with m rows uses the smallest bucket >= m and its probe runs
-  exactly that many rows (the bucket's top: the kernel pads to 16-row tiles, so 5..8 and 9..16 differ for F.linear
-  but not for the kernel). Only buckets that calls actually reach are probed.
-- The probe's cost is bounded per key: one warm-up call per candidate, then `MIN_ROUNDS`..`MAX_ROUNDS` rounds (as
-  many as fit in `BUDGET_S`), each running every remaining candidate once in a rotating order; a candidate's time is
-  its fastest round (noise only ever adds time). After the first round a candidate more than `DROP` (2; `LONG_DROP`,
-  1.2, where the leader's call takes `LONG_S` or more) times slower
-  than the leader in both its warm-up and that round is out (the LM head's losers: its probe then costs two calls of
-  each). So a key costs at most about max(BUDGET_S, 3 calls of each candidate): a few ms for most weights. Weights
-  that stay in the cache while probed (small ones) measured like cold ones to within a few percent on the EPYC, so the
-  probe does not flush caches.
+- A key is measured at most once per process (under `TABLE.lock`), unless `TABLE.clear()` is called. Measuring never
+  changes results beyond rounding: every candidate computes the same sums in another order.
+- Row buckets are powers of two (`BUCKETS`): a call with m rows uses the smallest bucket >= m. Only buckets that calls
+  actually reach are measured.
+- Measured where it runs (`Trial`): a key without a choice gives each call one of its candidates in turn (every block
+  of as many calls as candidates runs each once, the order rotating so that layers of one shape called alternately
+  all meet every candidate) and times that call itself, inside the real forward: with the caches as a real step leaves
+  them. A weight read once per step (a decode step streams every layer's weights: more than the last-level cache on
+  the 2-core Xeon VM of issue 27, where a 64-row product took twice as long in the step as in a loop over the same
+  weight) is timed cold, one the cache keeps is timed warm, each as it will run. The first call of each candidate is
+  a warm-up (not counted); after one counted call each, a candidate whose better call is more than `DROP` (2;
+  `LONG_DROP`, 1.2, where the leader's call takes `LONG_S` or more) times the leader's is out; once every candidate
+  left has `SAMPLES` counted calls, each one's time is the median of them and the choice is made. So a key costs
+  (1 + SAMPLES) calls of each candidate, fewer of the clear losers: a few steps.
 - Every fast path earns its place: F.linear (`BASELINE`) is kept unless another candidate measured more than `MARGIN`
   (5 %) faster, so near-ties (where noise would pick either, run to run) stay on the reference product; among the fast
   paths the least time wins, ties to the earlier one given (the kernel, then W @ x^T).
@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import math
+import statistics
 import os
 import tempfile
 import threading
@@ -49,9 +50,8 @@ logger = logging.getLogger("hf_paged")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 BUCKET_OF = (0,) + tuple(next(b for b in BUCKETS if b >= m) for m in range(1, BUCKETS[-1] + 1))  # rows -> bucket
-MIN_ROUNDS, MAX_ROUNDS = 2, 10
-BUDGET_S = 0.005  # per key: rounds until their total would pass this (2..10: small weights 10, an LM head 2)
-DROP = 2.0  # a candidate this many times slower than the leader in its warm-up and first round is not timed further
+SAMPLES = 5  # counted calls of each candidate before a choice (after one warm-up call each)
+DROP = 2.0  # a candidate this many times slower than the leader in its warm-up and first counted call is out
 # ... or this many times, where the leader's call takes LONG_S or more (an LM head: timer and scheduling noise are a
 # small part of such a call, and each further round costs tens of ms)
 LONG_DROP, LONG_S = 1.2, 0.005
@@ -75,41 +75,59 @@ class Key(NamedTuple):
 
 @dataclass
 class Choice:
-    """What one key runs: `path`'s name, every candidate's best seconds, and "probed" or "disk" (where it came from)."""
+    """What one key runs: `path`'s name, every candidate's measured seconds (the median of its counted calls; a
+    candidate dropped early: its better call), "measured" or "disk" (where it came from), and the time the measured
+    calls took in all (warm-ups included)."""
     path: str
     seconds: dict[str, float]
-    source: str = "probed"
-    probe_seconds: float = 0.0  # wall time the probe took (warm-up included)
+    source: str = "measured"
+    probe_seconds: float = 0.0
 
 
-def time_paths(runs: dict[str, Callable[[], object]], budget: float = BUDGET_S) -> tuple[dict[str, float], float]:
-    """Each candidate's fastest time (s) over the rounds, and the probe's total wall time. See the module's invariants:
-    one warm-up call each, then between MIN_ROUNDS and MAX_ROUNDS rotating rounds as `budget` allows; after the first
-    round a candidate whose warm-up and first round both took over DROP times the leader's best is out (its time is
-    the better of those two), and the rounds stop when one candidate is left."""
-    started = clock()
-    warm = {}
-    for name in runs:
-        t = clock()
-        runs[name]()
-        warm[name] = clock() - t
-    rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, int(budget / max(sum(warm.values()), 1e-9))))
-    names, best = list(runs), dict.fromkeys(runs, math.inf)
-    for r in range(rounds):
-        for i in range(len(names)):
-            name = names[(r + i) % len(names)]
-            t = clock()
-            runs[name]()
-            best[name] = min(best[name], clock() - t)
-        if r == 0:  # two samples each: one slow call by chance (a busy machine) does not drop a candidate
-            lead = min(min(warm[name], best[name]) for name in names)
+@dataclass
+class Trial:
+    """A key being measured on real calls (module invariants): `next()` names the candidate the next call runs,
+    `add()` takes that call's time and says, once the trial is complete, each candidate's seconds."""
+    products: dict[str, Callable]  # name -> product, in tie-break order
+    names: list[str] = field(default_factory=list)  # candidates still in
+    warm: dict[str, float] = field(default_factory=dict)  # each candidate's warm-up call
+    times: dict[str, list[float]] = field(default_factory=dict)  # each candidate's counted calls
+    calls: int = 0
+    spent: float = 0.0
+    pruned: bool = False
+
+    def __post_init__(self):
+        self.names = list(self.products)
+        self.times = {name: [] for name in self.products}
+
+    def next(self) -> str:
+        n = len(self.names)  # calls c, c+1, ... c+n-1 of one block (same c // n) run every candidate once
+        name = self.names[(self.calls + self.calls // n) % n]
+        self.calls += 1
+        return name
+
+    def _best(self, name: str) -> float:
+        return min([self.warm.get(name, math.inf)] + self.times[name])
+
+    def add(self, name: str, seconds: float) -> dict[str, float] | None:
+        """Record one call of `name`; each candidate's seconds once every candidate left has SAMPLES counted calls
+        (medians; a dropped one: its better call), else None."""
+        self.spent += seconds
+        if name not in self.names:
+            return None  # dropped meanwhile (another thread's call)
+        if name not in self.warm:
+            self.warm[name] = seconds
+        else:
+            self.times[name].append(seconds)
+        if not self.pruned and all(self.times[n] for n in self.names):
+            self.pruned = True  # two calls each: one slow call by chance (a busy machine) does not drop a candidate
+            lead = min(self._best(n) for n in self.names)
             drop = LONG_DROP if lead >= LONG_S else DROP
-            for name in [name for name in names if min(warm[name], best[name]) > drop * lead]:
-                names.remove(name)
-                best[name] = min(warm[name], best[name])
-            if len(names) == 1:
-                break
-    return best, clock() - started
+            self.names = [n for n in self.names if self._best(n) <= drop * lead]
+        if any(len(self.times[n]) < SAMPLES for n in self.names):
+            return None
+        return {name: (statistics.median(self.times[name]) if name in self.names else self._best(name))
+                for name in self.products if name in self.warm}
 
 
 def fastest(seconds: dict[str, float], baseline: str = BASELINE) -> str:
@@ -122,7 +140,7 @@ def fastest(seconds: dict[str, float], baseline: str = BASELINE) -> str:
 
 
 class DiskChoices:
-    """Choices on disk for this machine (module docstring). Reading or writing failures only cost a re-probe."""
+    """Choices on disk for this machine (module docstring). Reading or writing failures only cost a new trial."""
 
     def __init__(self, identity: str):
         digest = hashlib.sha256(f"{native.cpu_identity()} {identity}".encode()).hexdigest()[:16]
@@ -174,26 +192,51 @@ class ChoiceTable:
     choices: dict = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     disk: dict = field(default_factory=dict)  # identity -> DiskChoices (only with HF_PAGED_SMALL_LINEAR_CACHE=1)
+    trials: dict = field(default_factory=dict)  # Key -> Trial: keys being measured
 
-    def choose(self, key: Key, products: dict[str, Callable], runs: dict[str, Callable[[], object]],
-               identity: str = "", baseline: str = BASELINE) -> Callable:
-        """The product for `key`: the one chosen before, else one from disk (when enabled), else the fastest of
-        `runs` (same names as `products`, each a closure running its product once on the caller's weight), `baseline`
-        kept unless another is more than MARGIN faster. No run may call `choose` itself (the lock is not
-        re-entrant): make any choice a run depends on first."""
+    def pick(self, key: Key, products: dict[str, Callable], identity: str = "") -> tuple[str | None, Callable]:
+        """For a call of `key`: (None, the product) where the choice is made (before, or now from disk, or
+        `products` holds one candidate), else (name, product) of the candidate this call runs for the trial; the
+        caller times that call and hands its time to `record`. `products`: name -> product in tie-break order,
+        the same on every call of the key."""
         with self.lock:
             if key in self.fast:
-                return self.fast[key]
+                return None, self.fast[key]
+            trial = self.trials.get(key)
+            if trial is None:
+                disk = self._disk(identity)
+                choice = disk.choice(key, products) if disk else None
+                if choice is None and len(products) == 1:
+                    choice = Choice(next(iter(products)), {}, source="only candidate")
+                if choice is not None:
+                    return None, self._decide(key, choice, products)
+                trial = self.trials[key] = Trial(dict(products))
+            name = trial.next()
+            return name, trial.products[name]
+
+    def record(self, key: Key, name: str, seconds: float, identity: str = "", baseline: str = BASELINE) -> bool:
+        """One trial call's time (`pick` gave `name`); True when it completed the trial and the choice is made.
+        `baseline` is kept unless another candidate left in the trial measured more than MARGIN faster."""
+        with self.lock:
+            trial = self.trials.get(key)
+            if trial is None or key in self.fast:
+                return False
+            seconds_each = trial.add(name, seconds)
+            if seconds_each is None:
+                return False
+            left = {n: seconds_each[n] for n in trial.names}
+            choice = Choice(fastest(left, baseline), seconds_each, probe_seconds=trial.spent)
             disk = self._disk(identity)
-            choice = disk.choice(key, products) if disk else None
-            if choice is None:
-                seconds, spent = time_paths(runs)
-                choice = Choice(fastest(seconds, baseline), seconds, probe_seconds=spent)
-                if disk:
-                    disk.save(key, choice)
-            self.choices[key] = choice
-            self.fast[key] = products[choice.path]
-            return self.fast[key]
+            if disk:
+                disk.save(key, choice)
+            self._decide(key, choice, trial.products)
+            return True
+
+    def _decide(self, key: Key, choice: Choice, products: dict[str, Callable]) -> Callable:
+        self.trials.pop(key, None)
+        self.choices[key] = choice
+        self.fast[key] = products[choice.path]
+        return self.fast[key]
 
     def _disk(self, identity: str) -> DiskChoices | None:
         if os.environ.get(CACHE_SWITCH, "0") != "1":
@@ -203,10 +246,11 @@ class ChoiceTable:
         return self.disk[identity]
 
     def clear(self) -> None:
-        """Forget every choice (the next call of each key probes again)."""
+        """Forget every choice and trial (the next calls of each key measure again)."""
         with self.lock:
             self.fast.clear()
             self.choices.clear()
+            self.trials.clear()
 
     def report(self) -> list[dict]:
         """One dict per key chosen so far, sorted by shape, threads and rows: for `small_linear_status` and benches."""
@@ -224,7 +268,7 @@ TABLE = ChoiceTable()
 
 def summary(report: list[dict]) -> str:
     """`report` in one line per (shape, dtype, threads): "512x512 float32 threads=1: 1 kernel, 4 kernel, 16 f_linear"
-    (rows bucket then path), and the probes' total time."""
+    (rows bucket then path), and the measured calls' total time."""
     lines: dict[tuple, list[str]] = {}
     for entry in report:
         head = (f"{entry['shape'][0]}x{entry['shape'][1]} {entry['dtype']} threads={entry['threads']}"
@@ -232,5 +276,5 @@ def summary(report: list[dict]) -> str:
         lines.setdefault(head, []).append(f"{entry['rows']} {entry['path']}")
     spent = sum(entry["probe_ms"] for entry in report)
     return "; ".join(f"{head}: {', '.join(parts)}" for head, parts in lines.items()) + \
-        (f" (probes {spent:.0f} ms in all)" if report else "")
+        (f" (measured calls {spent:.0f} ms in all)" if report else "")
 

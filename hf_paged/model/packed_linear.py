@@ -1,11 +1,12 @@
-"""bf16 CPU linears on oneDNN's pre-packed weights, where a timed probe on this machine finds them faster.
+"""bf16 CPU linears on oneDNN's pre-packed weights, where this machine runs them faster in the model's own steps.
 
 torch's bf16 `F.linear` on a CPU runs oneDNN, which reorders the weight into its blocked (AMX / AVX-512) layout on
 every call: for the few rows of a decode step that reorder is a second pass over the weight. A copy packed once
 (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied by `_linear_pointwise` skips it: on an AMX Xeon, 1.3-2x
-per product at 1-64 rows. Whether it wins is measured like the fp32 products of `small_linear`: the first call of
-each (weight shape, dtype, row bucket, torch threads) times both on that call's own weight (`linear_choice.TABLE`,
-F.linear kept unless the packed product is more than 5 % faster), so a CPU where it loses keeps F.linear.
+per product at 1-64 rows. Whether it wins is measured like the fp32 products of `small_linear`: the first calls of
+each (weight shape, dtype, row bucket, torch threads) run both in turn inside the model's forwards, timed
+(`linear_choice.Trial`; F.linear kept unless the packed product is more than 5 % faster), so a CPU where it loses
+keeps F.linear.
 
 Invariants:
 - Used only where `small_linear` swaps forwards (the engine's forward, in the thread that swapped them in), for a
@@ -39,6 +40,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import logger
+from . import linear_choice
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
@@ -219,32 +221,11 @@ def _packed_product(rows: torch.Tensor, copy: PackedCopy, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(rows, copy.packed, bias, "none", [], "")
 
 
-def _probe_packed(module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """What a call that chose the packed product runs (the probe times this, checks included)."""
-    copy = copy_for(module, weight)
-    inputs_ok(rows, weight, bias)
-    return _packed_product(rows, copy, bias)
-
-
 PACKED = "packed"  # the TABLE's product for the packed path: a marker, the call itself needs the module's copy
 
 
 def _marker(*_args):  # pragma: no cover - never called: `_packed_linear` recognizes it
     raise AssertionError("the packed product's marker is not a product")
-
-
-def _choose(key: tuple, module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None):
-    want = key[2]
-    if rows.shape[0] != want:  # the bucket's row count, of this call's rows repeated (no random numbers drawn)
-        rows = rows[torch.arange(want, device=rows.device) % rows.shape[0]]
-    f_linear = torch.nn.functional.linear
-    products = {PACKED: _marker, "f_linear": f_linear}
-    runs = {PACKED: functools.partial(_probe_packed, module, rows, weight, bias),
-            "f_linear": functools.partial(f_linear, rows, weight, bias)}
-    with torch.no_grad():
-        return TABLE.choose(Key(tuple(key[0]), *key[1:]), products, runs)
 
 
 def _packed_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
@@ -284,12 +265,30 @@ def _packed_or_plain(self: torch.nn.Linear, input: torch.Tensor, measured: bool)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     if product is None:
-        product = _choose(key, self, rows, weight, bias)
-        if product is f_linear:
-            forget([self])  # no copy kept for a shape that runs F.linear (a bucket choosing packed packs again)
-            return f_linear(input, weight, bias)
+        return _measured(self, key, rows, copy, input)
     out = _packed_product(rows, copy, bias)
     return out if len(shape) == 2 else out.view(*shape[:-1], weight.shape[0])
+
+
+def _measured(module: torch.nn.Module, key: tuple, rows: torch.Tensor, copy: PackedCopy,
+              input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+    """A call of `key` while it has no choice: the packed product or F.linear as its trial names, timed
+    (linear_choice.Trial). A choice of F.linear drops the module's copy (a bucket choosing packed packs again)."""
+    f_linear, bias = torch.nn.functional.linear, module.bias
+    key = Key(tuple(key[0]), *key[1:])
+    name, product = TABLE.pick(key, {PACKED: _marker, "f_linear": f_linear})
+    if name is None and product is f_linear:
+        return f_linear(input, module.weight, bias)
+    started = linear_choice.clock()
+    if product is f_linear:
+        out = f_linear(input, module.weight, bias)
+    else:
+        out = _packed_product(rows, copy, bias)
+        out = out if input.dim() == 2 else out.view(*input.shape[:-1], module.weight.shape[0])
+    if name is not None and TABLE.record(key, name, linear_choice.clock() - started) \
+            and TABLE.fast.get(key) is f_linear:
+        forget([module])
+    return out
 
 
 class PackedLinears:

@@ -11,10 +11,10 @@ unevenly. Candidates for fp32 products of 1 to KERNEL_MAX_ROWS (128) rows:
 - W @ x^T, which MKL streams faster than x @ W^T for few rows on some machines and slower on others;
 - F.linear itself.
 
-Nothing about speed is assumed: by default (`HF_PAGED_SMALL_LINEARS` unset, `1` or `auto`) the first call of each
-(weight shape, dtype, row bucket, torch thread count) times the candidates on that call's own weight and keeps the
-fastest for the process, F.linear unless a fast path beats it by more than 5 % (`linear_choice`: invariants, probe
-cost, the optional disk cache). `HF_PAGED_SMALL_LINEARS=0`
+Nothing about speed is assumed: by default (`HF_PAGED_SMALL_LINEARS` unset, `1` or `auto`) the first calls of each
+(weight shape, dtype, row bucket, torch thread count) run the candidates in turn inside the model's own forwards,
+timing each call, and the fastest is kept for the process, F.linear unless a fast path beats it by more than 5 %
+(`linear_choice`: invariants, cost, the optional disk cache). `HF_PAGED_SMALL_LINEARS=0`
 turns all of it off (F.linear, as without hf_paged); `=kernel` forces the kernel (W @ x^T up to MAX_ROWS where it
 did not load) and `=w_xt` forces W @ x^T up to MAX_ROWS (64): for tests and comparisons. `small_linear_status()` says
 which products are in play and what was chosen per shape; `small_linear_choices()` gives the same as data.
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import greedy_head, packed_linear
+from . import greedy_head, linear_choice, packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -170,26 +170,17 @@ def candidates(kernel: SmallGemm | None) -> dict:
     return products
 
 
-def _checked(product, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What a call that chose `product` (not F.linear) runs: `_kernel_takes` first. The probe times this, so that a
-    product must beat F.linear by more than the check costs (a few us: it matters for the smallest weights)."""
-    _kernel_takes(rows, weight, bias)
-    return product(rows, weight, bias)
-
-
-def _choose(key: tuple, kernel: SmallGemm | None, rows: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None):
-    """Probe `key` (first call of its shape, bucket and thread count) on this call's weight: the bucket's row count
-    made of this call's rows repeated (no random numbers drawn: the caller's RNG is untouched)."""
-    products = candidates(kernel)
-    want = key[2]
-    if rows.shape[0] != want:
-        rows = rows[torch.arange(want, device=rows.device) % rows.shape[0]]
-    f_linear = torch.nn.functional.linear
-    runs = {name: functools.partial(f_linear, rows, weight, bias) if product is f_linear
-            else functools.partial(_checked, product, rows, weight, bias) for name, product in products.items()}
-    with torch.no_grad():
-        return TABLE.choose(Key(tuple(key[0]), *key[1:]), products, runs, identity=_identity())
+def _measured(key: tuple, kernel: SmallGemm | None, rows: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """A call of `key` while it has no choice: the candidate its trial names, timed (linear_choice.Trial)."""
+    key = Key(tuple(key[0]), *key[1:])
+    name, product = TABLE.pick(key, candidates(kernel), identity=_identity())
+    if name is None:
+        return product(rows, weight, bias)
+    started = linear_choice.clock()
+    out = product(rows, weight, bias)
+    TABLE.record(key, name, linear_choice.clock() - started, identity=_identity())
+    return out
 
 
 # The forwards are plain functions bound to their module (types.MethodType), not closures over it: a copy of the
@@ -218,9 +209,7 @@ def _measured_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor
         return torch.nn.functional.linear(input, weight, bias)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if product is None:
-        product = _choose(key, kernel, rows, weight, bias)
-    out = product(rows, weight, bias)
+    out = product(rows, weight, bias) if product is not None else _measured(key, kernel, rows, weight, bias)
     return out if len(shape) == 2 else out.view(*shape[:-1], weight.shape[0])
 
 

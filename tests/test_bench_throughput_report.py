@@ -36,7 +36,7 @@ def test_small_linear_table_shows_the_products_each_worker_measured(capsys):
     lines = capsys.readouterr().out.splitlines()
     header = next(line for line in lines if line.startswith("weight"))
     assert header.split() == ["weight", "dtype", "rows", "<=", "threads", "chosen", "kernel", "us", "W", "@", "x^T",
-                              "us", "packed", "us", "F.linear", "us", "probe", "ms"]
+                              "us", "packed", "us", "F.linear", "us", "trial", "ms"]
     row = next(line for line in lines if line.startswith("32000x512"))
     assert row.split() == ["32000x512", "bfloat16", "64", "1", "packed", "-", "-", "1400.00", "2500.00", "9.00"]
 

@@ -210,7 +210,7 @@ class GreedyStep:
 def bound_holds(module: torch.nn.Module, rows: torch.Tensor, logits: torch.Tensor) -> bool:
     """Whether every screen value of `rows` lies within B_r of the fp32 logits `logits` (the head's usual product):
     the bound's premises (one bf16 rounding of each input, fp32 accumulation) checked on this machine's oneDNN
-    once per probe. False also where `_screen` gives none."""
+    once per trial. False also where `_screen` gives none."""
     screened = _screen(module, rows)
     if screened is None:
         return False

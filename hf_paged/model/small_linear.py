@@ -287,7 +287,7 @@ class SmallBatchLinears:
     def plain(self, rows: int, head_rows: int) -> bool:
         """Whether a forward of `rows` tokens whose LM head sees `head_rows` of them would run F.linear in every
         linear layer (so the forwards need not be swapped in): measured mode, and every layer's choice for its row
-        bucket is made and is F.linear (a layer whose choice is not made yet keeps the swap: its first call probes).
+        bucket is made and is F.linear (a layer whose choice is not made yet keeps the swap: its first calls measure).
         Assumes each non-head layer sees all `rows` (a layer that sees fewer, e.g. an expert of a mixture, may take
         F.linear where its own bucket chose another product: the same sum in another order, never a wrong one)."""
         if self.mode != "auto" or not self.modules:

@@ -134,6 +134,8 @@ def test_a_trial_drops_a_candidate_far_behind_twice(monkeypatch):
     assert calls == {"kernel": 1 + SAMPLES, "w_xt": 2, "f_linear": 1 + SAMPLES}
     assert seconds == {"kernel": 0.75, "w_xt": 2.5, "f_linear": 2.0}  # w_xt: its better call
     assert trial.names == ["kernel", "f_linear"]
+    times = {name: list(t) for name, t in trial.times.items()}
+    assert trial.add("w_xt", 1e-9) is None and trial.times == times  # a call of it still running elsewhere: ignored
 
 
 def test_a_trial_drops_a_candidate_closer_behind_on_long_calls():

@@ -36,8 +36,8 @@ import hashlib
 import json
 import logging
 import math
-import statistics
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -76,8 +76,8 @@ class Key(NamedTuple):
 @dataclass
 class Choice:
     """What one key runs: `path`'s name, every candidate's measured seconds (the median of its counted calls; a
-    candidate dropped early: its better call), "measured" or "disk" (where it came from), and the time the measured
-    calls took in all (warm-ups included)."""
+    candidate dropped early: its better call), where it came from ("measured", "disk", or "only candidate" where one
+    was left to choose), and the time the measured calls took in all (warm-ups included)."""
     path: str
     seconds: dict[str, float]
     source: str = "measured"

@@ -39,8 +39,9 @@ Invariants:
 - Worth it only where measured: the first calls of each (head shape, row bucket, threads) run the screen and the
   head's usual product followed by `first_argmax` in turn, each call timed in its own step (`linear_choice.Trial`,
   dtype "greedy"; the first checks the bound against the usual product's logits on those rows: a oneDNN that broke
-  its premises leaves only the usual product); the usual product stays unless the screen is more than 5 % faster. `HF_PAGED_GREEDY_HEAD=0` turns the screen off
-  (also: no C compiler, no oneDNN bf16), `=force` screens wherever it may (tests).
+  its premises leaves only the usual product); the usual product stays unless the screen is more than 5 % faster.
+  `HF_PAGED_GREEDY_HEAD=0` turns the screen off (also: no C compiler, no oneDNN bf16), `=force` screens wherever it
+  may (tests).
 - Memory: the bf16 copy, half the head's size, under packed_linear's budget.
 """
 from __future__ import annotations

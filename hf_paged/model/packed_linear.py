@@ -11,16 +11,17 @@ keeps F.linear.
 Invariants:
 - Used only where `small_linear` swaps forwards (the engine's forward, in the thread that swapped them in), for a
   plain `torch.nn.Linear` whose weight is a bf16, contiguous, 2-D CPU `Parameter` (`weight_packable`), on inputs
-  needing no gradient, without autocast, with a contiguous bias; anything else gets F.linear. The sums are F.linear's bf16 products with fp32 accumulation in another
-  order (bf16 rounding flips, like any other kernel choice; fp32 models never take this path).
+  needing no gradient, without autocast, with a contiguous bias; anything else gets F.linear. The sums are
+  F.linear's bf16 products with fp32 accumulation in another order (bf16 rounding flips, like any other kernel
+  choice; fp32 models never take this path).
 - A packed copy is used only while it matches its weight: on every call the weight's storage (the very storage
   object, held by a weak reference), address, shape, strides, dtype and version counter must equal those it was
-  packed from (an optimizer step, `load_state_dict`, `copy_`, a cast, `.data = ...` all repack), and before each forward `PackedLinears.verify` compares sample entries of every packed weight (a few
-  short runs spread over it) with their values when packed: writes that bypass the version counter (through
-  `.data`, as PEFT merges LoRA into base weights; through a flat buffer the parameters view, as
-  `vector_to_parameters` leaves them; through a numpy or DLPack alias) and change any of them drop every copy of the
-  model. Not caught: such a write that changes none of the sampled entries; `LLM.reset_prefix_cache()` drops the
-  copies as well. Inference tensors (no version counter) are never packed.
+  packed from (an optimizer step, `load_state_dict`, `copy_`, a cast, `.data = ...` all repack), and before each
+  forward `PackedLinears.verify` compares sample entries of every packed weight (a few short runs spread over it)
+  with their values when packed: writes that bypass the version counter (through `.data`, as PEFT merges LoRA into
+  base weights; through a flat buffer the parameters view, as `vector_to_parameters` leaves them; through a numpy or
+  DLPack alias) and change any of them drop every copy of the model. Not caught: such a write that changes none of
+  the sampled entries; `LLM.reset_prefix_cache()` drops the copies as well. Inference tensors (no version counter) are never packed.
 - Memory: a copy is a second copy of its weight (oneDNN pads small ones: counted as packed). All copies in the
   process together stay under BUDGET_SHARE of the memory available when the first was made; beyond that, F.linear.
   `HF_PAGED_PACKED_LINEARS=0` turns them off.

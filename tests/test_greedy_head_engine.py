@@ -6,7 +6,7 @@ import torch
 
 import hf_paged
 from hf_paged.model import greedy_head
-from hf_paged.model.linear_choice import TABLE
+from hf_paged.model.linear_choice import SAMPLES, TABLE
 
 from conftest import cached_model
 
@@ -153,8 +153,10 @@ def test_measured_mode_records_its_choice(monkeypatch, one_torch_thread):
     TABLE.clear()
     try:
         model = cached_model("llama")
-        tokens, runner = generate(model)
-        assert tokens == plain_tokens(model)
+        # enough greedy steps of 4 rows for a whole trial (1 + SAMPLES calls of each), the tokens right throughout
+        params = hf_paged.SamplingParams(max_tokens=2 * (2 + SAMPLES), temperature=0.0, ignore_eos=True)
+        tokens, runner = generate(model, params)
+        assert tokens == plain_tokens(model, params) and not [k for k in TABLE.trials if k.dtype == "greedy"]
         chosen = [c for c in TABLE.report() if c["dtype"] == "greedy"]
         assert chosen and {c["path"] for c in chosen} <= {greedy_head.SCREEN, greedy_head.PLAIN}
         assert all(set(c["us"]) == {greedy_head.SCREEN, greedy_head.PLAIN} for c in chosen)

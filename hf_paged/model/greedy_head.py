@@ -59,7 +59,7 @@ import torch
 from .. import native
 from ..config import logger
 from ..sampling import first_argmax
-from . import linear_choice, packed_linear
+from . import packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
@@ -268,14 +268,16 @@ def greedy_head_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
     if choice is None:
         key = Key(tuple(key[0]), *key[1:])
         name, choice = _trial(key, self, rows, step)
-        started = linear_choice.clock()
-    token = pick(self, rows) if choice == SCREEN else None
-    if token is None:
-        step.output = step.plain(self, input)
-        if name is not None:
-            first_argmax(step.output.reshape(m, -1))  # timed as what the runner does with the logits
-    if name is not None and TABLE.record(key, name, linear_choice.clock() - started, baseline=PLAIN) \
-            and TABLE.fast.get(key) == PLAIN:
+
+    def run() -> torch.Tensor | None:
+        picked = pick(self, rows) if choice == SCREEN else None
+        if picked is None:
+            step.output = step.plain(self, input)
+            if name is not None:
+                first_argmax(step.output.reshape(m, -1))  # timed as what the runner does with the logits
+        return picked
+    token, decided = TABLE.timed(key, name, run, baseline=PLAIN)
+    if decided and TABLE.fast.get(key) == PLAIN:
         packed_linear.forget([self])
     if token is None:
         return step.output

@@ -232,6 +232,16 @@ class ChoiceTable:
             self._decide(key, choice, trial.products)
             return True
 
+    def timed(self, key: Key, name: str | None, run: Callable[[], Any], identity: str = "",
+              baseline: str = BASELINE) -> tuple[Any, bool]:
+        """`run()` for a call that `pick` named `name`: timed and recorded when it is a trial call (`name` not None).
+        Returns its result and whether its time completed the trial (the choice is then in `fast`)."""
+        if name is None:
+            return run(), False
+        started = clock()
+        result = run()
+        return result, self.record(key, name, clock() - started, identity, baseline)
+
     def _decide(self, key: Key, choice: Choice, products: dict[str, Callable]) -> Callable:
         self.trials.pop(key, None)
         self.choices[key] = choice

@@ -41,7 +41,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import logger
-from . import linear_choice
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
@@ -278,16 +277,14 @@ def _measured(module: torch.nn.Module, key: tuple, rows: torch.Tensor, copy: Pac
     f_linear, bias = torch.nn.functional.linear, module.bias
     key = Key(tuple(key[0]), *key[1:])
     name, product = TABLE.pick(key, {PACKED: _marker, "f_linear": f_linear})
-    if name is None and product is f_linear:
-        return f_linear(input, module.weight, bias)
-    started = linear_choice.clock()
-    if product is f_linear:
-        out = f_linear(input, module.weight, bias)
-    else:
+
+    def run() -> torch.Tensor:
+        if product is f_linear:
+            return f_linear(input, module.weight, bias)
         out = _packed_product(rows, copy, bias)
-        out = out if input.dim() == 2 else out.view(*input.shape[:-1], module.weight.shape[0])
-    if name is not None and TABLE.record(key, name, linear_choice.clock() - started) \
-            and TABLE.fast.get(key) is f_linear:
+        return out if input.dim() == 2 else out.view(*input.shape[:-1], module.weight.shape[0])
+    out, decided = TABLE.timed(key, name, run)
+    if decided and TABLE.fast.get(key) is f_linear:
         forget([module])
     return out
 

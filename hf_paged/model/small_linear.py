@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import greedy_head, linear_choice, packed_linear
+from . import greedy_head, packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -175,12 +175,7 @@ def _measured(key: tuple, kernel: SmallGemm | None, rows: torch.Tensor, weight: 
     """A call of `key` while it has no choice: the candidate its trial names, timed (linear_choice.Trial)."""
     key = Key(tuple(key[0]), *key[1:])
     name, product = TABLE.pick(key, candidates(kernel), identity=_identity())
-    if name is None:
-        return product(rows, weight, bias)
-    started = linear_choice.clock()
-    out = product(rows, weight, bias)
-    TABLE.record(key, name, linear_choice.clock() - started, identity=_identity())
-    return out
+    return TABLE.timed(key, name, lambda: product(rows, weight, bias), identity=_identity())[0]
 
 
 # The forwards are plain functions bound to their module (types.MethodType), not closures over it: a copy of the

@@ -12,13 +12,14 @@ from hf_paged.sampling import first_argmax
 
 from conftest import cached_model
 
-pytestmark = pytest.mark.skipif(not greedy_head.available(), reason="no oneDNN bf16 or no C compiler")
+pytestmark = pytest.mark.skipif(not greedy_head.bf16_available(), reason="no oneDNN bf16 or no C compiler")
 
 
-@pytest.fixture
-def forced(monkeypatch):
-    monkeypatch.setenv(greedy_head.SWITCH, "force")
-    yield
+@pytest.fixture(params=["force", "int8"])
+def forced(monkeypatch, request):
+    """Picks wherever the screen may run: the bf16 one, or the int8 one (these tests' heads see at most 16 rows)."""
+    monkeypatch.setenv(greedy_head.SWITCH, request.param)
+    yield request.param
 
 
 class Head(torch.nn.Module):
@@ -137,8 +138,8 @@ def test_other_threads_and_plain_calls_get_plain_logits(forced):
 
 
 def test_a_screen_beyond_its_bound_is_never_chosen(monkeypatch, caplog):
-    """A trial first checks the bound's premises on this machine: a bound that does not hold (here: cut to nothing)
-    leaves the usual product as the only candidate, chosen at once, with a warning."""
+    """A trial first checks the bound's premises on this machine: a screen whose bound does not hold (here: both cut
+    to nothing) is no candidate; with neither, the usual product is the only one, chosen at once, with warnings."""
     monkeypatch.delenv(greedy_head.SWITCH, raising=False)
     TABLE.clear()
     try:
@@ -147,13 +148,18 @@ def test_a_screen_beyond_its_bound_is_never_chosen(monkeypatch, caplog):
         x = torch.randn(8, 64, generator=gen)
         assert greedy_head.bound_holds(net.head, x, torch.nn.functional.linear(x, net.head.weight))
         monkeypatch.setattr(greedy_head, "bound_factor", lambda k: 0.0)
-        assert not greedy_head.bound_holds(net.head, x, torch.nn.functional.linear(x, net.head.weight))
+        logits = torch.nn.functional.linear(x, net.head.weight)
+        assert not greedy_head.bound_holds(net.head, x, logits)
+        assert greedy_head.bound_holds(net.head, x, logits, greedy_head.SCREEN8)
+        monkeypatch.setattr(greedy_head.int8_head, "slack", lambda norms, head, k: 0 * norms)
+        assert not greedy_head.bound_holds(net.head, x, logits, greedy_head.SCREEN8)
         step = greedy_head.GreedyStep(net.head, lambda m, inp: torch.nn.functional.linear(inp, m.weight))
         key = Key(tuple(net.head.weight.shape), "greedy", 8, torch.get_num_threads(), True)
         with caplog.at_level("WARNING", logger="hf_paged"):
             assert greedy_head._trial(key, net.head, x, step) == (None, greedy_head.PLAIN)
         assert not TABLE.trials and TABLE.choices[key].source == "only candidate"
-        assert "strayed beyond its rounding bound" in caplog.text
+        assert "bf16 screen of a (3000, 64) LM head strayed beyond its rounding bound" in caplog.text
+        assert "int8 screen of a (3000, 64) LM head strayed beyond its rounding bound" in caplog.text
         assert greedy_head.known_plain(net.head, 7)
     finally:
         TABLE.clear()
@@ -165,9 +171,11 @@ def test_status_says_whether_the_screen_is_on(monkeypatch):
     monkeypatch.setenv(greedy_head.SWITCH, "0")
     assert greedy_head.status() == f"off ({greedy_head.SWITCH}=0)" and not greedy_head.available()
     monkeypatch.setenv(greedy_head.SWITCH, "force")
-    assert greedy_head.status() == "forced"
+    assert greedy_head.status() == "int8 (1-16 rows) and bf16 screens, forced (bf16)"
+    monkeypatch.setenv(greedy_head.SWITCH, "int8")
+    assert greedy_head.status().endswith("forced (int8)")
     monkeypatch.delenv(greedy_head.SWITCH)
-    assert "LM head: bf16 screen measured per row count" in small_linear_status()
+    assert "LM head: int8 (1-16 rows) and bf16 screens, measured per row count" in small_linear_status()
 
 
 def test_copies_of_weights_of_two_dtypes_are_verified_alike():

@@ -10,15 +10,16 @@ from hf_paged.model.linear_choice import SAMPLES, TABLE
 
 from conftest import cached_model
 
-pytestmark = pytest.mark.skipif(not greedy_head.available(), reason="no oneDNN bf16 or no C compiler")
+pytestmark = pytest.mark.skipif(not greedy_head.bf16_available(), reason="no oneDNN bf16 or no C compiler")
 
 PROMPTS = [[5, 9, 14, 3, 77], [8, 8, 21], list(range(3, 40)), [100, 3, 50, 60, 70, 80, 90]]
 
 
-@pytest.fixture
-def forced(monkeypatch):
-    monkeypatch.setenv(greedy_head.SWITCH, "force")
-    yield
+@pytest.fixture(params=["force", "int8"])
+def forced(monkeypatch, request):
+    """Picks wherever the screen may run: the bf16 one, or the int8 one (these tests' heads see at most 16 rows)."""
+    monkeypatch.setenv(greedy_head.SWITCH, request.param)
+    yield request.param
 
 
 def generate(model, params=None, prompts=PROMPTS, **options):
@@ -153,13 +154,15 @@ def test_measured_mode_records_its_choice(monkeypatch, one_torch_thread):
     TABLE.clear()
     try:
         model = cached_model("llama")
-        # enough greedy steps of 4 rows for a whole trial (1 + SAMPLES calls of each), the tokens right throughout
-        params = hf_paged.SamplingParams(max_tokens=2 * (2 + SAMPLES), temperature=0.0, ignore_eos=True)
+        # enough greedy steps of 4 rows for a whole trial (1 + SAMPLES calls of each of three), the tokens right
+        # throughout
+        params = hf_paged.SamplingParams(max_tokens=3 * (2 + SAMPLES), temperature=0.0, ignore_eos=True)
         tokens, runner = generate(model, params)
         assert tokens == plain_tokens(model, params) and not [k for k in TABLE.trials if k.dtype == "greedy"]
         chosen = [c for c in TABLE.report() if c["dtype"] == "greedy"]
-        assert chosen and {c["path"] for c in chosen} <= {greedy_head.SCREEN, greedy_head.PLAIN}
-        assert all(set(c["us"]) == {greedy_head.SCREEN, greedy_head.PLAIN} for c in chosen)
+        products = {greedy_head.SCREEN, greedy_head.SCREEN8, greedy_head.PLAIN}
+        assert chosen and {c["path"] for c in chosen} <= products
+        assert all(set(c["us"]) == products for c in chosen)
     finally:
         TABLE.clear()
 

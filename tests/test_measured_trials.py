@@ -70,21 +70,21 @@ def test_a_packed_trial_keeps_the_faster_and_no_copy_for_f_linear(clock, monkeyp
     assert (packed_linear._COPIES.get(net.proj) is not None) == packed_wins
 
 
-@pytest.mark.skipif(not greedy_head.available(), reason="no oneDNN bf16 or no C compiler")
-@pytest.mark.parametrize("screen_wins", [True, False])
-def test_a_greedy_head_trial_gives_picks_or_logits_and_drops_the_copy_for_logits(clock, monkeypatch, screen_wins):
+@pytest.mark.skipif(not greedy_head.bf16_available(), reason="no oneDNN bf16 or no C compiler")
+@pytest.mark.parametrize("winner", [greedy_head.SCREEN, greedy_head.SCREEN8, greedy_head.PLAIN])
+def test_a_greedy_head_trial_gives_picks_or_logits_and_keeps_only_the_winners_copy(clock, monkeypatch, winner):
     gen = torch.Generator().manual_seed(1)
     head = torch.nn.Linear(64, 3000, bias=False)
     with torch.no_grad():
         head.weight.copy_(torch.randn(3000, 64, generator=gen))
     x = torch.randn(1, 5, 64, generator=gen)
     want = first_argmax(torch.nn.functional.linear(x[0], head.weight))
-    costs = {greedy_head.SCREEN: 1e-3 if screen_wins else 3e-3, greedy_head.PLAIN: 2e-3}
+    costs = {greedy_head.SCREEN: 3e-3, greedy_head.SCREEN8: 3e-3, greedy_head.PLAIN: 2.5e-3, winner: 2e-3}
     real_pick = greedy_head.pick
 
-    def pick(*args):
-        clock.now += costs[greedy_head.SCREEN]
-        return real_pick(*args)
+    def pick(module, rows, kind):
+        clock.now += costs[kind]
+        return real_pick(module, rows, kind)
 
     def plain(module, inputs):
         clock.now += costs[greedy_head.PLAIN]
@@ -96,19 +96,20 @@ def test_a_greedy_head_trial_gives_picks_or_logits_and_drops_the_copy_for_logits
     linears = SmallBatchLinears(net)
     assert linears.greedy_head is head
     seen = []
-    for _ in range(2 * (1 + SAMPLES)):
+    for _ in range(3 * (1 + SAMPLES)):
         step = greedy_head.GreedyStep(head, plain)
         with linears.active(greedy=step), torch.inference_mode():
             out = head(x)
-        if step.token_ids is not None:  # the screen's picks...
+        if step.token_ids is not None:  # a screen's picks...
             seen.append("screen")
             assert torch.equal(step.token_ids, want)
         else:  # ...or the real logits, as the runner would sample them
             seen.append("logits")
             assert out is step.output and torch.equal(first_argmax(out[0]), want)
-    assert sorted(seen) == ["logits"] * (1 + SAMPLES) + ["screen"] * (1 + SAMPLES) and not TABLE.trials
+    assert sorted(seen) == ["logits"] * (1 + SAMPLES) + ["screen"] * 2 * (1 + SAMPLES) and not TABLE.trials
     (entry,) = TABLE.report()
-    assert entry["dtype"] == "greedy" and entry["path"] == (greedy_head.SCREEN if screen_wins else greedy_head.PLAIN)
+    assert entry["dtype"] == "greedy" and entry["path"] == winner
     assert entry["us"] == {name: cost * 1e6 for name, cost in costs.items()}
-    assert (packed_linear._COPIES.get(head) is not None) == screen_wins
-    assert greedy_head.known_plain(head, 5) == (not screen_wins)
+    assert (packed_linear._COPIES.get(head) is not None) == (winner == greedy_head.SCREEN)
+    assert (packed_linear._INT8.get(head) is not None) == (winner == greedy_head.SCREEN8)
+    assert greedy_head.known_plain(head, 5) == (winner == greedy_head.PLAIN)

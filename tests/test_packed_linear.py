@@ -128,7 +128,7 @@ def test_a_data_write_missing_every_sample_needs_forget(forced):
 
 def test_memory_budget_bounds_the_copies(forced, monkeypatch):
     net = make()
-    taken = sum(c.nbytes for c in packed_linear._COPIES.values())  # other tests' models may still be alive
+    taken = sum(c.nbytes for c in packed_linear._all_copies())  # other tests' models may still be alive
     padded = torch.ops.mkldnn._nbytes(torch.ops.mkldnn._reorder_linear_weight(net.proj.weight.detach(), 64))
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     if padded > net.proj.weight.numel() * 2:  # oneDNN pads it here (on an AVX-512 Xeon: 6 KiB of weight, 8 KiB packed)

@@ -18,6 +18,12 @@ step reads; ~22 ms of a 64-row step on a 2-core AMX Xeon VM, one thread). Here, 
    other choice of product). On the benchmark model a row needs ~10 exact logits; the head at 64 rows took ~4 ms
    instead of ~22 ms (AMX Xeon VM, one thread).
 
+For 1..I8_MAX_ROWS rows there is a second screen (`SCREEN8`): an int8 copy of W with per-row scales, x kept in fp32,
+and a bound from the copy's own rounding error (`int8_head`: the proof, the same argument with fp32 screen values;
+`greedy_pick_i8` in cpu/greedy_head.c). It reads a quarter of W's bytes, half the bf16 copy's: where a step of a few
+rows waits on memory for the head, it is the faster screen; at more rows its fp32 products lose to bf16 AMX. It
+needs no oneDNN, only the native pass.
+
 Invariants:
 - Only in a forward whose runner asked for picks (`GreedyStep`, set for the running thread in `THIS_THREAD.greedy`
   by `small_linear.SmallBatchLinears.active`): every sampled request of the step takes the argmax of its raw logits
@@ -36,13 +42,15 @@ Invariants:
   version counter and sampled entries before every forward; `reset_prefix_cache()` drops it): an optimizer step or
   `load_state_dict` makes a new one. Each pick is also checked against the copy: its exact logit must lie within B_r
   of its screen value, else the copy is dropped and the call takes the usual product.
-- Worth it only where measured: the first calls of each (head shape, row bucket, threads) run the screen and the
+- Worth it only where measured: the first calls of each (head shape, row bucket, threads) run the screens and the
   head's usual product followed by `first_argmax` in turn, each call timed in its own step (`linear_choice.Trial`,
-  dtype "greedy"; the first checks the bound against the usual product's logits on those rows: a oneDNN that broke
-  its premises leaves only the usual product); the usual product stays unless the screen is more than 5 % faster.
-  `HF_PAGED_GREEDY_HEAD=0` turns the screen off (also: no C compiler, no oneDNN bf16), `=force` screens wherever it
-  may (tests).
-- Memory: the bf16 copy, half the head's size, under packed_linear's budget.
+  dtype "greedy"; the first checks each screen's bound against the usual product's logits on those rows: a oneDNN or
+  a build that broke its premises leaves that screen out); the usual product stays unless a screen is more than 5 %
+  faster. `HF_PAGED_GREEDY_HEAD=0` turns the screens off (also: no C compiler; no oneDNN bf16: no bf16 screen),
+  `=force` takes the bf16 screen wherever it may, `=int8` the int8 one up to I8_MAX_ROWS rows, else the bf16 one
+  (tests).
+- Memory: the bf16 copy (half the head's size) and the int8 copy (a quarter), each only while a trial runs it or a
+  row bucket chose it, under packed_linear's budget.
 """
 from __future__ import annotations
 
@@ -59,34 +67,41 @@ import torch
 from .. import native
 from ..config import logger
 from ..sampling import first_argmax
-from . import packed_linear
+from . import int8_head, packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
 SOURCE = Path(__file__).with_name("cpu") / "greedy_head.c"
 SWITCH = "HF_PAGED_GREEDY_HEAD"
 MAX_ROWS = 128
+I8_MAX_ROWS = 16  # the int8 screen's rows: beyond, its fp32 products lose to the bf16 screen's AMX ones
 LIMIT = 2.0 ** 100  # ||x_r|| max_j ||W_j|| at or above this: the usual product (no overflow anywhere in the screen)
 SCREEN_DTYPE = torch.bfloat16
-SCREEN, PLAIN = "screen", "logits"  # the TABLE's two products for a greedy head (markers: never called)
+SCREEN, SCREEN8, PLAIN = "screen", "screen_i8", "logits"  # the TABLE's products for a greedy head (markers)
+CASTS = {SCREEN: SCREEN_DTYPE, SCREEN8: torch.int8}  # the copy each screen reads
+NAMES = {SCREEN: "bf16", SCREEN8: "int8"}
 _status: dict[str, str] = {}
 
 
 def mode() -> str:
-    """`HF_PAGED_GREEDY_HEAD`: "off" (0), "force" (screen wherever it may: tests), else "auto" (measured)."""
+    """`HF_PAGED_GREEDY_HEAD`: "off" (0), "force" (the bf16 screen wherever it may: tests), "int8" (the int8
+    screen up to I8_MAX_ROWS rows, else as "force"), else "auto" (measured)."""
     value = os.environ.get(SWITCH, "auto").strip().lower()
-    return {"0": "off", "force": "force"}.get(value, "auto")
+    return {"0": "off", "force": "force", "int8": "int8"}.get(value, "auto")
 
 
 class Picker:
-    """`greedy_pick` of cpu/greedy_head.c."""
+    """`greedy_pick` (and `pick_i8`: `greedy_pick_i8`, `screen_i8`) of cpu/greedy_head.c."""
 
     def __init__(self, path: Path):
-        fn = ctypes.CDLL(str(path)).greedy_pick
+        library = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
-        fn.restype = None
-        self.fn = fn
+        self.fn, self.fn8, self.screen8 = library.greedy_pick, library.greedy_pick_i8, library.screen_i8
+        self.fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+        self.fn8.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+        self.screen8.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64]
+        for fn in (self.fn, self.fn8, self.screen8):
+            fn.restype = None
 
     @torch.compiler.disable  # raw pointers: never traced
     def __call__(self, screen: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
@@ -101,6 +116,30 @@ class Picker:
                 token.data_ptr(), value.data_ptr(), seen.data_ptr(), m, weight.shape[0], k)
         return token, value, seen
 
+    @torch.compiler.disable
+    def pick_i8(self, copy: int8_head.Int8Head, rows: torch.Tensor, weight: torch.Tensor, slack: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same from the int8 copy `copy` of `weight`; also returns the screen [m, n] fp32."""
+        m, k = rows.shape
+        n = weight.shape[0]
+        screen = torch.empty(m, n, dtype=torch.float32)
+        token = torch.empty(m, dtype=torch.int64)
+        value = torch.empty(m, dtype=torch.float32)
+        seen = torch.empty(m, dtype=torch.int64)
+        self.fn8(copy.q.data_ptr(), copy.scales.data_ptr(), rows.data_ptr(), rows.stride(0), weight.data_ptr(),
+                 slack.data_ptr(), screen.data_ptr(), token.data_ptr(), value.data_ptr(), seen.data_ptr(), m, n, k)
+        return token, value, screen
+
+    @torch.compiler.disable
+    def screen_i8(self, copy: int8_head.Int8Head, rows: torch.Tensor) -> torch.Tensor:
+        """The int8 screen alone [m, n] fp32 (checking its bound)."""
+        m, k = rows.shape
+        n = copy.q.shape[0]
+        screen = torch.empty(m, n, dtype=torch.float32)
+        self.screen8(copy.q.data_ptr(), copy.scales.data_ptr(), rows.data_ptr(), rows.stride(0), screen.data_ptr(),
+                     m, n, k)
+        return screen
+
 
 @functools.lru_cache(maxsize=1)
 def load_picker() -> Picker | None:
@@ -109,18 +148,29 @@ def load_picker() -> Picker | None:
 
 
 def available() -> bool:
-    """Not switched off, oneDNN with bf16 in this torch, and the native pass built."""
-    return mode() != "off" and packed_linear._onednn_bf16() and load_picker() is not None
+    """Not switched off and the native pass built (the int8 screen needs nothing else)."""
+    return mode() != "off" and load_picker() is not None
+
+
+def bf16_available() -> bool:
+    """`available`, and oneDNN with bf16 in this torch (the bf16 screen)."""
+    return available() and packed_linear._onednn_bf16()
+
+
+def screens(rows: int) -> tuple[str, ...]:
+    """The screens a call of `rows` rows may take (`available` holds)."""
+    return ((SCREEN,) if packed_linear._onednn_bf16() else ()) + ((SCREEN8,) if rows <= I8_MAX_ROWS else ())
 
 
 def status() -> str:
     if mode() == "off":
         return f"off ({SWITCH}=0)"
-    if not packed_linear._onednn_bf16():
-        return "off (no oneDNN bf16 in this torch)"
     if load_picker() is None:
         return f"off (no native pass: {_status.get('reason')})"
-    return "forced" if mode() == "force" else "measured per row count"
+    kinds = f"int8 (1-{I8_MAX_ROWS} rows)" + (" and bf16" if packed_linear._onednn_bf16() else
+                                                " (no oneDNN bf16 in this torch: no bf16 screen)")
+    how = {"force": "forced (bf16)", "int8": "forced (int8)"}.get(mode(), "measured per row count")
+    return f"{kinds} screens, {how}"
 
 
 def bound_factor(k: int) -> float:
@@ -148,32 +198,58 @@ def takes(module: torch.nn.Module, rows: torch.Tensor) -> bool:
             and not torch.is_autocast_enabled("cpu"))
 
 
-def _screen(module: torch.nn.Module, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The bf16 screen of `rows` [m, k] and each row's slack 2 B_r (float64), or None: no copy, a weight with a
-    non-finite row norm, or a non-finite or huge row."""
-    copy = packed_linear.copy_for(module, module.weight, SCREEN_DTYPE)
+def _copy(module: torch.nn.Module, rows: torch.Tensor, kind: str):
+    """`kind`'s copy of the head and each row's slack 2 B_r (float64), or None: no copy, a weight with a non-finite
+    row norm, or a non-finite or huge row."""
+    copy = packed_linear.copy_for(module, module.weight, CASTS[kind])
     if copy is None or not math.isfinite(copy.row_norm_max):
         return None
     norms = rows.double().norm(dim=1)
-    if not bool(torch.isfinite(norms).all()) or float(norms.max()) * copy.row_norm_max >= LIMIT:
+    top = float(norms.max())
+    if not bool(torch.isfinite(norms).all()) or top * copy.row_norm_max >= LIMIT:
         return None
-    screen = torch.ops.mkldnn._linear_pointwise(rows.to(SCREEN_DTYPE), copy.packed, None, "none", [], "")
-    return screen, slack(norms, copy.row_norm_max, rows.shape[1])
+    if kind == SCREEN8:
+        if top * copy.packed.q_norm_max >= LIMIT:
+            return None
+        return copy.packed, int8_head.slack(norms, copy.packed, rows.shape[1])
+    return copy.packed, slack(norms, copy.row_norm_max, rows.shape[1])
 
 
-def pick(module: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor | None:
-    """Each row's greedy token ([m] int64), or None where the usual product must run instead (no picker, no screen:
-    `_screen`, a pick that contradicts the copy). `rows` [m, k], each row contiguous; `takes` holds."""
+def _screen(module: torch.nn.Module, rows: torch.Tensor, kind: str = SCREEN
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`kind`'s screen of `rows` [m, k] (bf16 or fp32) and each row's slack, or None (`_copy`)."""
+    found = _copy(module, rows, kind)
+    if found is None:
+        return None
+    copy, gap = found
+    if kind == SCREEN8:
+        return load_picker().screen_i8(copy, rows), gap
+    return torch.ops.mkldnn._linear_pointwise(rows.to(SCREEN_DTYPE), copy, None, "none", [], ""), gap
+
+
+def pick(module: torch.nn.Module, rows: torch.Tensor, kind: str = SCREEN) -> torch.Tensor | None:
+    """Each row's greedy token ([m] int64) from `kind`'s screen, or None where the usual product must run instead (no
+    picker, no copy: `_copy`, a pick that contradicts the copy). `rows` [m, k], each row contiguous; `takes`
+    holds."""
     picker = load_picker()
-    screened = _screen(module, rows) if picker is not None else None
-    if screened is None:
+    if picker is None:
         return None
-    screen, gap = screened
-    token, value, _ = picker(screen, rows, module.weight, gap)
+    if kind == SCREEN8:
+        found = _copy(module, rows, kind)
+        if found is None:
+            return None
+        gap = found[1]
+        token, value, screen = picker.pick_i8(found[0], rows, module.weight, gap)
+    else:
+        screened = _screen(module, rows)
+        if screened is None:
+            return None
+        screen, gap = screened
+        token, value, _ = picker(screen, rows, module.weight, gap)
     # the picks agree with the copy: a weight changed without the checks seeing it would be caught here for the
     # picks at least (the screen then was of another weight)
     if bool(((screen.gather(1, token[:, None])[:, 0].double() - value.double()).abs() > gap / 2).any()):
-        packed_linear.forget([module])
+        packed_linear.forget([module], (CASTS[kind],))
         return None
     return token
 
@@ -208,11 +284,11 @@ class GreedyStep:
     token_ids: torch.Tensor | None = None
 
 
-def bound_holds(module: torch.nn.Module, rows: torch.Tensor, logits: torch.Tensor) -> bool:
-    """Whether every screen value of `rows` lies within B_r of the fp32 logits `logits` (the head's usual product):
-    the bound's premises (one bf16 rounding of each input, fp32 accumulation) checked on this machine's oneDNN
-    once per trial. False also where `_screen` gives none."""
-    screened = _screen(module, rows)
+def bound_holds(module: torch.nn.Module, rows: torch.Tensor, logits: torch.Tensor, kind: str = SCREEN) -> bool:
+    """Whether every `kind` screen value of `rows` lies within B_r of the fp32 logits `logits` (the head's usual
+    product): the bound's premises (bf16: one bf16 rounding of each input, fp32 accumulation in oneDNN; int8: the
+    native pass's fp32 sums) checked on this machine once per trial. False also where `_screen` gives none."""
+    screened = _screen(module, rows, kind)
     if screened is None:
         return False
     screen, gap = screened
@@ -221,20 +297,30 @@ def bound_holds(module: torch.nn.Module, rows: torch.Tensor, logits: torch.Tenso
 
 def _trial(key: Key, module: torch.nn.Module, rows: torch.Tensor, step: GreedyStep) -> tuple[str | None, str]:
     """For a call of `key` without a choice: (name, product) of the candidate this call runs for the trial, or
-    (None, the choice) where it is made. The trial's first call checks the screen's bound on these rows first; where
-    the screen strays beyond it from the usual product's logits, the usual product is the only candidate (a warning
-    says so)."""
-    products = {PLAIN: PLAIN, SCREEN: SCREEN}
+    (None, the choice) where it is made. The trial's first call checks each screen's bound on these rows first; a
+    screen that strays beyond it from the usual product's logits is no candidate (a warning says so)."""
+    products = {PLAIN: PLAIN, **{kind: kind for kind in screens(rows.shape[0])}}
     if key not in TABLE.trials and key not in TABLE.fast:
         with torch.no_grad():
-            if not bound_holds(module, rows, step.plain(module, rows)):
-                logger.warning("hf_paged: the bf16 screen of a %s LM head strayed beyond its rounding bound on this "
-                               "machine; greedy steps compute full logits", tuple(module.weight.shape))
-                products = {PLAIN: PLAIN}
+            logits = step.plain(module, rows)
+            for kind in [kind for kind in products if kind != PLAIN]:
+                if not bound_holds(module, rows, logits, kind):
+                    logger.warning("hf_paged: the %s screen of a %s LM head strayed beyond its rounding bound on "
+                                   "this machine; greedy steps do not use it", NAMES[kind], tuple(module.weight.shape))
+                    del products[kind]
     name, choice = TABLE.pick(key, products)
-    if name is None and choice == PLAIN:
-        packed_linear.forget([module])  # no copy kept while the usual product is chosen
+    if name is None:
+        keep_copies(module)
     return name, choice
+
+
+def keep_copies(module: torch.nn.Module) -> None:
+    """Drop the head's copies that no open trial runs and no row bucket chose (a bucket choosing a screen later makes
+    its copy again)."""
+    shape = module.weight.shape
+    mine = [k for k in (*TABLE.fast, *TABLE.trials) if k[0] == shape and k[1] == "greedy"]
+    wanted = {SCREEN, SCREEN8} if any(k in TABLE.trials for k in mine) else {TABLE.fast.get(k) for k in mine}
+    packed_linear.forget([module], tuple(cast for kind, cast in CASTS.items() if kind not in wanted))
 
 
 def known_plain(module: torch.nn.Module, rows: int) -> bool:
@@ -264,21 +350,22 @@ def greedy_head_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     key = (self.weight.shape, "greedy", BUCKET_OF[m], torch.get_num_threads(), True)
-    choice, name = SCREEN if mode() == "force" else TABLE.fast.get(key), None
+    forced = {"force": SCREEN, "int8": SCREEN8 if m <= I8_MAX_ROWS else SCREEN}.get(mode())
+    choice, name = forced or TABLE.fast.get(key), None
     if choice is None:
         key = Key(tuple(key[0]), *key[1:])
         name, choice = _trial(key, self, rows, step)
 
     def run() -> torch.Tensor | None:
-        picked = pick(self, rows) if choice == SCREEN else None
+        picked = pick(self, rows, choice) if choice in CASTS else None
         if picked is None:
             step.output = step.plain(self, input)
             if name is not None:
                 first_argmax(step.output.reshape(m, -1))  # timed as what the runner does with the logits
         return picked
     token, decided = TABLE.timed(key, name, run, baseline=PLAIN)
-    if decided and TABLE.fast.get(key) == PLAIN:
-        packed_linear.forget([self])
+    if decided:
+        keep_copies(self)
     if token is None:
         return step.output
     step.token_ids = token

@@ -41,6 +41,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import logger
+from . import int8_head
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
@@ -82,11 +83,15 @@ class PackedCopy:
     def __init__(self, weight: torch.Tensor, cast: torch.dtype | None = None):
         """`cast`: pack `weight` cast to this dtype (an fp32 LM head's bf16 screen, `greedy_head`); the copy then also
         knows the largest Euclidean norm of the weight's rows (`row_norm_max`, computed in float64 from the weight
-        itself, not the cast)."""
+        itself, not the cast). `cast=torch.int8`: `packed` is the head's int8 copy instead (`int8_head.Int8Head`,
+        for the int8 screen), `row_norm_max` the same."""
         with torch.no_grad():
-            source = weight.detach() if cast is None else weight.detach().to(cast)
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(source, BATCH_HINT)
-            del source
+            if cast is torch.int8:
+                self.packed = int8_head.quantize(weight.detach())
+            else:
+                source = weight.detach() if cast is None else weight.detach().to(cast)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(source, BATCH_HINT)
+                del source
             self.row_norm_max = None if cast is None else _row_norm_max(weight.detach())
         self.storage = StorageWeakRef(weight.untyped_storage())
         self.address, self.version, self.shape = weight.data_ptr(), _version(weight), weight.shape
@@ -121,6 +126,8 @@ def _row_norm_max(weight: torch.Tensor, rows: int = 4096) -> float:
 
 def _packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:
     """The memory the packed copy takes: oneDNN pads small weights (a [1, 4096] bf16 weight's copy takes 256 KiB)."""
+    if isinstance(packed, int8_head.Int8Head):
+        return packed.nbytes
     try:
         return int(torch.ops.mkldnn._nbytes(packed))
     except (AttributeError, RuntimeError):
@@ -139,6 +146,17 @@ def _version(weight: torch.Tensor) -> int:
 
 
 _COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedCopy]" = weakref.WeakKeyDictionary()
+_INT8: "weakref.WeakKeyDictionary[torch.nn.Module, PackedCopy]" = weakref.WeakKeyDictionary()  # int8 head copies
+
+
+def _store(cast: torch.dtype | None) -> "weakref.WeakKeyDictionary[torch.nn.Module, PackedCopy]":
+    """Where a module's copy of this kind lives: an fp32 head may hold a bf16 and an int8 copy at once (a trial runs
+    both screens in turn); any other module holds one copy."""
+    return _INT8 if cast is torch.int8 else _COPIES
+
+
+def _all_copies() -> list[PackedCopy]:
+    return [*_COPIES.values(), *_INT8.values()]
 _LOCK = threading.Lock()
 _budget: list[int] = []  # bytes, fixed when the first copy is made
 
@@ -154,16 +172,17 @@ def _budget_bytes() -> int:
 def copy_for(module: torch.nn.Module, weight: torch.Tensor, cast: torch.dtype | None = None) -> PackedCopy | None:
     """`module`'s packed copy of `weight` as it is now (packed again if it changed), or None: over the budget, or a
     weight the packed product does not take (`weight_packable`). `cast`: a copy in that dtype of an fp32 weight
-    (`PackedCopy`); a module has one copy, of one kind (its weight's dtype decides which)."""
-    copy = _COPIES.get(module)
+    (`PackedCopy`); a module has one copy of each kind (`_store`)."""
+    store = _store(cast)
+    copy = store.get(module)
     if copy is not None and copy.matches(weight):
         return copy
     if not weight_packable(weight, cast):
         return None
     with _LOCK:
         if copy is not None:
-            _COPIES.pop(module, None)  # another thread (`forget`, another engine) may have dropped it meanwhile
-        taken = sum(c.nbytes for c in _COPIES.values())
+            store.pop(module, None)  # another thread (`forget`, another engine) may have dropped it meanwhile
+        taken = sum(c.nbytes for c in _all_copies())
         if taken + weight.numel() * weight.element_size() > _budget_bytes():  # at least the weight's own size
             return None
         try:
@@ -174,7 +193,7 @@ def copy_for(module: torch.nn.Module, weight: torch.Tensor, cast: torch.dtype | 
             return None
         if taken + copy.nbytes > _budget_bytes():  # padded beyond the budget: not kept
             return None
-        _COPIES[module] = copy
+        store[module] = copy
         return copy
 
 
@@ -187,10 +206,12 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def forget(modules) -> int:
-    """Drop the packed copies of `modules` (repacked on their next use); returns how many there were."""
+def forget(modules, casts: tuple = (None, torch.int8)) -> int:
+    """Drop the packed copies of `modules` (repacked on their next use); returns how many there were. `casts`: only
+    the copies of these kinds (`copy_for`'s `cast`; None, the default kind, covers bf16 screens too)."""
+    stores = {id(s): s for s in map(_store, casts)}.values()
     with _LOCK:
-        dropped = [m for m in modules if _COPIES.pop(m, None) is not None]
+        dropped = [m for m in modules for store in stores if store.pop(m, None) is not None]
     return len(dropped)
 
 
@@ -199,8 +220,9 @@ def weight_packable(weight: torch.Tensor, cast: torch.dtype | None = None) -> bo
     a bf16, CPU, 2-D, contiguous `Parameter` held as such (not one recomputed on every call, as pruning or a
     parametrization makes it: that would repack on every call) and not an inference tensor (made under
     `torch.inference_mode()`: no version counter, so an in-place edit would go unseen unless it hit a sample).
-    With `cast` (a bf16 screen of an fp32 weight): an fp32 weight, otherwise the same."""
-    dtype_ok = weight.dtype in DTYPES if cast is None else (weight.dtype is torch.float32 and cast in DTYPES)
+    With `cast` (a bf16 or int8 screen of an fp32 weight): an fp32 weight, otherwise the same."""
+    dtype_ok = weight.dtype in DTYPES if cast is None else \
+        (weight.dtype is torch.float32 and (cast in DTYPES or cast is torch.int8))
     return (isinstance(weight, torch.nn.Parameter) and dtype_ok and weight.is_cpu
             and weight.dim() == 2 and weight.is_contiguous() and type(weight.data) is torch.Tensor
             and not weight.is_inference())
@@ -303,7 +325,7 @@ class PackedLinears:
         """True when every packed copy's sample still holds its packed values; else drops all of this model's
         copies (they are packed again on use) and returns False. A copy whose weight now has other storage is
         dropped alone (it would be packed again on its next call anyway)."""
-        live = [(m, c) for m in self.modules if (c := _COPIES.get(m)) is not None]
+        live = [(m, c) for m in self.modules for store in (_COPIES, _INT8) if (c := store.get(m)) is not None]
         moved = [m for m, c in live if not c.same_storage(m.weight)]
         if moved:
             forget(moved)

@@ -112,7 +112,7 @@ def small_linear_status() -> str:
     head = ("native kernel, W @ x^T or F.linear" if loaded else "W @ x^T or F.linear") + \
         ", the fastest measured per weight shape and row count" + ("" if loaded else f" (no native kernel: {reason})") \
         + ("; bf16: oneDNN's packed copy or F.linear, measured alike" if packed_linear.supported() else "") \
-        + f"; greedy steps' fp32 LM head: bf16 screen {greedy_head.status()}"
+        + f"; greedy steps' fp32 LM head: {greedy_head.status()}"
     report = summary(TABLE.report())
     return f"{head}; chosen: {report}" if report else f"{head}; nothing measured yet"
 

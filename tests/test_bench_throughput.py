@@ -8,6 +8,7 @@ import pytest
 
 import hf_paged
 from hf_paged.bench import throughput, throughput_report
+from hf_paged.model.linear_choice import SAMPLES
 
 TINY = dict(model=dict(vocab_size=300, hidden=32, layers=1, heads=2, kv_heads=1, max_len=512, intermediate_size=64),
             prompt_len=(4, 12), requests=[3], max_tokens=4)
@@ -83,6 +84,26 @@ def test_the_warm_up_has_the_timed_calls_size(restore, monkeypatch):
     assert (len(warm), warm_tokens, len(timed), timed_tokens) == (5, 4, 5, 3)
     assert [len(p) for p in warm] == [len(p) for p in timed]  # the same row buckets, prefill chunks, padded width
     assert all(w[:16] != t[:16] for w, t in zip(warm, timed))  # no first block in common: no prefix-cache hit
+
+
+@pytest.mark.parametrize("open_after", [[0], [2, 0], [3, 3, 3]])
+def test_hf_pageds_warm_up_runs_its_trials_to_the_end(restore, monkeypatch, open_after):
+    """hf_paged's trials of few-row products take up to 3 x (1 + SAMPLES) calls per row bucket: its warm-up generates
+    that many tokens more and runs again while any is open (at most MAX_WARMUPS times); the JSON says how it ended."""
+    calls, left = [], list(open_after)
+
+    def recording(model):
+        def run(prompts, max_tokens):
+            calls.append(max_tokens)
+            return [[0] * max_tokens for _ in prompts]
+        return run
+
+    monkeypatch.setattr(throughput, "paged_runner", recording)
+    monkeypatch.setattr(throughput, "open_trials", lambda: left.pop(0) if len(left) > 1 else left[0])
+    r = throughput.measure("hf_paged", 2, SimpleNamespace(arch="llama", dtype="float32", max_tokens=3), TINY, 1)
+    warmups = min(len(open_after), throughput.MAX_WARMUPS)
+    assert calls == [3 * (1 + SAMPLES) + 4] * warmups + [3]
+    assert (r["warmups"], r["open_trials"]) == (warmups, open_after[-1])
 
 
 @pytest.mark.parametrize("enabled", [True, False])

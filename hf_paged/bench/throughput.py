@@ -31,8 +31,9 @@ Systems:
 when other work shares the machine, while wall seconds do; the JSON also records the load average before and after.
 Each (system, request count) runs in its own subprocess (same seed => identical weights and prompts), does a
 warm-up of the same shape (prompts of the same lengths, other tokens, 4 new tokens: what happens once per shape, such
-as oneDNN's set-up or hf_paged's few-row linear probes, whose cost the table reports, stays out of the timing for
-every system), then
+as oneDNN's set-up or hf_paged's trials of its few-row products, whose cost the table reports, stays out of the timing
+for every system; hf_paged's warm-up generates 3 x (1 + SAMPLES) + 4 tokens, again while a trial is open, at most
+MAX_WARMUPS times: a trial takes that many calls of its row bucket), then
 times one call with time.perf_counter; engine construction (LLM(...)) is outside the timing, generate_batch's
 per-call manager start-up is inside it (that is its API). Peak RSS is
 the worker's ru_maxrss. "matmul limit" = output tokens / (workload FLOPs / best fp32 1024^3 matmul FLOP/s),
@@ -98,6 +99,23 @@ def make_prompts(count: int, vocab: int, low: int, high: int, seed: int = SEED) 
     """Deterministic random prompts (ids 3.. avoid pad/bos/eos); stdlib only so the parent stays torch-free."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+MAX_WARMUPS = 3  # hf_paged's warm-ups at most (each of warmup_tokens() new tokens)
+
+
+def warmup_tokens() -> int:
+    """hf_paged's warm-up length: a whole trial of three candidates (linear_choice) and 4 tokens more."""
+    from ..model.linear_choice import SAMPLES
+
+    return 3 * (1 + SAMPLES) + 4
+
+
+def open_trials() -> int:
+    """How many of hf_paged's trials of few-row products are still open in this process."""
+    from ..model.linear_choice import TABLE
+
+    return len(TABLE.trials)
 
 
 def other_tokens(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
@@ -203,8 +221,11 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
     prompts = make_prompts(n, vocab, low, high)
     # warm-up on prompts of the timed ones' lengths, other tokens (no prefix-cache hits), 4 new tokens: one-time costs
     # of the timed call's shapes stay out of its timing for every system alike (oneDNN's per-shape set-up; hf_paged's
-    # few-row linear probes for each row bucket its steps reach, and packed copies)
-    runner(other_tokens(prompts, vocab, seed=SEED + 1), 4)
+    # packed copies and its trials of the few-row products for each row bucket its steps reach: those take up to
+    # 3 x (1 + SAMPLES) calls each, so hf_paged's warm-up generates that many tokens more, again while any is open)
+    warmups = [runner(other_tokens(prompts, vocab, seed=SEED + 1), 4 if system != "hf_paged" else warmup_tokens())]
+    while system == "hf_paged" and open_trials() and len(warmups) < MAX_WARMUPS:
+        warmups.append(runner(other_tokens(prompts, vocab, seed=SEED + 1 + len(warmups)), warmup_tokens()))
     start, cpu_start = time.perf_counter(), time.process_time()
     tokens = runner(prompts, args.max_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -216,6 +237,7 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
         from hf_paged.model.small_linear import small_linear_choices, small_linear_status
 
         extra["small_linears"] = {"status": small_linear_status(), "choices": small_linear_choices()}
+        extra["warmups"], extra["open_trials"] = len(warmups), open_trials()
     return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "threads": threads, **extra,
             "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": peak_rss_mb(), "tokens": tokens,

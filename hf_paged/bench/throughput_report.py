@@ -24,7 +24,9 @@ def print_small_linears(results: list[dict]) -> None:
         rounds = r.get("round_small_linear_paths", [])
         same = all(paths == rounds[0] for paths in rounds)
         status = r["small_linears"]["status"].split("; chosen:")[0]  # the choices: the table below
-        print(f"\nsmall linears in hf_paged's worker, {r['requests']} requests (fastest round; "
+        warmed = f"{r['warmups']} warm-ups, {r['open_trials']} trials still open at the timed call; " \
+            if "warmups" in r else ""
+        print(f"\nsmall linears in hf_paged's worker, {r['requests']} requests (fastest round; {warmed}"
               f"{'all rounds chose alike' if same else 'rounds chose differently'}): {status}")
         choices = r["small_linears"]["choices"]
         names = [name for name in PRODUCT_LABELS if any(name in c["us"] for c in choices)]

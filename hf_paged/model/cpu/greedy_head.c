@@ -59,6 +59,27 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return total;
 }
 
+/* A row's pick so far: the first j with the largest exact logit among those computed (`consider`, j ascending). */
+typedef struct {
+    float best;
+    int64_t pick, count;
+} Pick;
+
+static inline void consider(Pick *p, const float *restrict xr, const float *restrict w, int64_t j, int64_t k) {
+    const float exact = dot(xr, w + j * k, k);
+    p->count++;
+    if (p->pick < 0 || exact > p->best) {
+        p->best = exact;
+        p->pick = j;
+    }
+}
+
+static inline void store(Pick p, int64_t r, int64_t *token, float *value, int64_t *seen) {
+    token[r] = p.pick;
+    value[r] = p.best;
+    seen[r] = p.count;
+}
+
 void greedy_pick(const uint16_t *screen, const float *x, int64_t x_stride, const float *w, const double *slack,
                  int64_t *token, float *value, int64_t *seen, int64_t m, int64_t n, int64_t k) {
 #pragma omp parallel for schedule(static)
@@ -71,8 +92,7 @@ void greedy_pick(const uint16_t *screen, const float *x, int64_t x_stride, const
         }
         const uint16_t floor_key = key_at_or_below((double)key_value(top) - slack[r]);
         const float *xr = x + r * x_stride;
-        float best = 0.0f;
-        int64_t pick = -1, count = 0;
+        Pick p = {0.0f, -1, 0};
         for (int64_t j0 = 0; j0 < n; j0 += BLOCK) {
             int64_t end = j0 + BLOCK < n ? j0 + BLOCK : n;
             if (end - j0 == BLOCK) {
@@ -82,20 +102,11 @@ void greedy_pick(const uint16_t *screen, const float *x, int64_t x_stride, const
                 if (!hit)
                     continue;
             }
-            for (int64_t j = j0; j < end; j++) {
-                if (order_key(row[j]) >= floor_key) {
-                    float exact = dot(xr, w + j * k, k);
-                    count++;
-                    if (pick < 0 || exact > best) {
-                        best = exact;
-                        pick = j;
-                    }
-                }
-            }
+            for (int64_t j = j0; j < end; j++)
+                if (order_key(row[j]) >= floor_key)
+                    consider(&p, xr, w, j, k);
         }
-        token[r] = pick;
-        value[r] = best;
-        seen[r] = count;
+        store(p, r, token, value, seen);
     }
 }
 
@@ -206,20 +217,10 @@ void greedy_pick_i8(const int8_t *q, const float *scale, const float *x, int64_t
             top = row[j] > top ? row[j] : top;
         const float floor_value = float_at_or_below((double)top - slack[r]);
         const float *xr = x + r * x_stride;
-        float best = 0.0f;
-        int64_t pick = -1, count = 0;
-        for (int64_t j = 0; j < n; j++) {
-            if (row[j] >= floor_value) {
-                float exact = dot(xr, w + j * k, k);
-                count++;
-                if (pick < 0 || exact > best) {
-                    best = exact;
-                    pick = j;
-                }
-            }
-        }
-        token[r] = pick;
-        value[r] = best;
-        seen[r] = count;
+        Pick p = {0.0f, -1, 0};
+        for (int64_t j = 0; j < n; j++)
+            if (row[j] >= floor_value)
+                consider(&p, xr, w, j, k);
+        store(p, r, token, value, seen);
     }
 }

@@ -239,3 +239,18 @@ def test_a_step_that_samples_nothing_asks_no_picks(forced, one_torch_thread):
     assert runner.head_gives_logits is True and runner.greedy_picks > 0
     assert tokens == plain_tokens(model, prompts=prompts)
 
+
+
+def test_a_bf16_model_takes_int8_picks_with_its_logits_tokens(monkeypatch, one_torch_thread):
+    """A bf16 head screens on its int8 copy (the picks: the first argmax of its bf16 logits), with the tokens of
+    the plain head; its own packed copy stays."""
+    from hf_paged.model import packed_linear
+
+    monkeypatch.setenv(packed_linear.SWITCH, "force")  # the same products in both runs
+    model = cached_model("llama", dtype=torch.bfloat16)
+    monkeypatch.setenv(greedy_head.SWITCH, "int8")
+    tokens, runner = generate(model)
+    head = model.get_output_embeddings()
+    assert runner.linears.greedy_head is head and runner.greedy_picks > 0 and runner.head_gives_logits is True
+    assert packed_linear._INT8.get(head) is not None and packed_linear._COPIES.get(head) is not None
+    assert tokens == plain_tokens(model)

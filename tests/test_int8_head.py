@@ -111,3 +111,53 @@ def test_a_zero_row_and_a_short_tail_are_exact():
     x[3] = -weight[:1000].sum(dim=0)  # row 3: most logits negative, the zero row's 0 among the largest
     net = Head(weight)
     assert greedy_head.pick(net.head, x, I8).tolist() == first_argmax(net.head(x)).tolist()
+
+
+def bf16_head(weight: torch.Tensor) -> Head:
+    return Head(weight.float()).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_a_bf16_heads_bound_holds_against_its_rounded_logits(rows):
+    gen = torch.Generator().manual_seed(rows)
+    net = bf16_head(torch.randn(3001, 100, generator=gen))
+    x = torch.randn(rows, 100, generator=gen).bfloat16()
+    logits = torch.nn.functional.linear(x, net.head.weight)
+    assert greedy_head.bound_holds(net.head, x, logits, I8)
+    assert greedy_head.pick(net.head, x, I8).tolist() == first_argmax(logits).tolist()
+
+
+def test_a_bf16_heads_ties_go_to_the_first_index_of_its_rounded_logits(monkeypatch):
+    """Rows whose logits differ in fp32 but tie in bf16 (up to a dozen of them): the pick is the first of the tied
+    bf16 maxima, as `first_argmax` of the bf16 logits takes it, not the fp32 argmax. The weight is an exact int8 copy
+    (integers times a power of two: the copy's error is 0, so B_r is tiny): without the floor's widening for the
+    rounding (`BF16_REL`) some picks go wrong."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randint(-100, 101, (96,), generator=gen)
+    base[0] = 127  # every row's largest entry: its scale is 2^-6 and its int8 values the integers themselves
+    nudge = torch.randint(-1, 2, (600, 96), generator=gen) * (torch.rand(600, 96, generator=gen) < 0.05)
+    nudge[:, 0] = 0
+    weight = (base + nudge).float() * 2.0 ** -6
+    x = torch.randn(16, 96, generator=gen)
+    net = bf16_head(weight)
+    x = x.bfloat16()
+    logits = torch.nn.functional.linear(x, net.head.weight)
+    want = first_argmax(logits)
+    ties = (logits == logits.max(dim=1, keepdim=True).values).sum(dim=1)
+    assert int(ties.max()) > 5 and (want != (x.float() @ net.head.weight.float().t()).argmax(dim=1)).any()
+    assert greedy_head.pick(net.head, x, I8).tolist() == want.tolist()
+    copy, gap = greedy_head._copy(net.head, x, I8)
+    assert copy.error < 1e-4 * copy.w_norm_max  # the exact copy: only the fp32 sums' rounding is left in B_r
+    monkeypatch.setattr(greedy_head, "BF16_REL", 0.0)
+    token, _, _ = greedy_head.load_picker().pick_i8(copy, x.float(), net.head.weight, gap)
+    assert token.tolist() != want.tolist()
+
+
+def test_a_bf16_head_takes_only_the_int8_screen_and_keeps_its_own_packed_copy():
+    net = bf16_head(torch.randn(500, 64))
+    assert greedy_head.screens(4, torch.bfloat16) == (I8,) and greedy_head.screens(17, torch.bfloat16) == ()
+    packed = packed_linear.copy_for(net.head, net.head.weight)  # the head's usual product's copy
+    assert greedy_head.pick(net.head, torch.randn(3, 64).bfloat16(), I8) is not None
+    assert packed_linear._INT8.get(net.head) is not None
+    greedy_head.keep_copies(net.head)  # no trial, no choice: the int8 copy goes, the packed one stays
+    assert packed_linear._INT8.get(net.head) is None and packed_linear._COPIES.get(net.head) is packed

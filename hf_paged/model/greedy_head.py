@@ -1,4 +1,4 @@
-"""The LM head of a greedy step on the CPU in fp32: a bf16 screen of every logit, exact fp32 logits only where a
+"""The LM head of a greedy step on the CPU (fp32, or bf16 below): a screen of every logit, exact logits only where a
 row's maximum can be.
 
 A greedy step needs one thing from the LM head: the first index of each row's largest fp32 logit. The head is the
@@ -22,12 +22,16 @@ For 1..I8_MAX_ROWS rows there is a second screen (`SCREEN8`): an int8 copy of W 
 and a bound from the copy's own rounding error (`int8_head`: the proof, the same argument with fp32 screen values;
 `greedy_pick_i8` in cpu/greedy_head.c). It reads a quarter of W's bytes, half the bf16 copy's: where a step of a few
 rows waits on memory for the head, it is the faster screen; at more rows its fp32 products lose to bf16 AMX. It
-needs no oneDNN, only the native pass.
+needs no oneDNN, only the native pass. A **bf16** head takes it too (1..I8_MAX_ROWS rows, with the bf16 linears' packed
+copies on: its usual product is theirs): its logits are fp32 sums rounded to bf16, so several may tie for a row's
+maximum; the floor drops a further BF16_REL (|max| + B_r) to let every tied one through, and the pick is the first
+j with the largest bf16-rounded exact logit, as `first_argmax` of the head's bf16 logits (up to the order of the
+fp32 sums: bf16 rounding flips, like any other choice of product).
 
 Invariants:
 - Only in a forward whose runner asked for picks (`GreedyStep`, set for the running thread in `THIS_THREAD.greedy`
   by `small_linear.SmallBatchLinears.active`): every sampled request of the step takes the argmax of its raw logits
-  (`sampling.picks_by_argmax`), and only for the model's output embeddings when they are a plain fp32 CPU
+  (`sampling.picks_by_argmax`), and only for the model's output embeddings when they are a plain fp32 or bf16 CPU
   `nn.Linear` without bias, on 1..MAX_ROWS rows, without gradients or autocast (`takes`). Anything else gets the
   head's usual product (`GreedyStep.plain`), and so does the same module called from another thread.
 - The model must give back the head's output as its logits, untouched (no soft-capping or scaling after the head):
@@ -38,13 +42,13 @@ Invariants:
 - A call with any non-finite or huge row (||x_r|| max ||W_j|| >= LIMIT) takes the usual product for all its rows, so
   NaN / inf logits end their requests exactly as without the screen. A copy of a weight with a non-finite row norm
   is not used.
-- The bf16 copy lives and is checked like the bf16 linears' packed copies (`packed_linear`: the weight's storage,
+- The copies live and are checked like the bf16 linears' packed copies (`packed_linear`: the weight's storage,
   version counter and sampled entries before every forward; `reset_prefix_cache()` drops it): an optimizer step or
   `load_state_dict` makes a new one. Each pick is also checked against the copy: its exact logit must lie within B_r
   of its screen value, else the copy is dropped and the call takes the usual product.
 - Worth it only where measured: the first calls of each (head shape, row bucket, threads) run the screens and the
   head's usual product followed by `first_argmax` in turn, each call timed in its own step (`linear_choice.Trial`,
-  dtype "greedy"; the first checks each screen's bound against the usual product's logits on those rows: a oneDNN or
+  dtype "greedy" / "greedy bf16"; the first checks each screen's bound against the usual product's logits on those rows: a oneDNN or
   a build that broke its premises leaves that screen out); the usual product stays unless a screen is more than 5 %
   faster. `HF_PAGED_GREEDY_HEAD=0` turns the screens off (also: no C compiler; no oneDNN bf16: no bf16 screen),
   `=force` takes the bf16 screen wherever it may, `=int8` the int8 one up to I8_MAX_ROWS rows, else the bf16 one
@@ -54,33 +58,29 @@ Invariants:
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .. import native
 from ..config import logger
 from ..sampling import first_argmax
 from . import int8_head, packed_linear
+from .greedy_native import SWITCH, load_picker, native_status
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
-SOURCE = Path(__file__).with_name("cpu") / "greedy_head.c"
-SWITCH = "HF_PAGED_GREEDY_HEAD"
 MAX_ROWS = 128
 I8_MAX_ROWS = 16  # the int8 screen's rows: beyond, its fp32 products lose to the bf16 screen's AMX ones
+DTYPES = (torch.float32, torch.bfloat16)  # the heads that may screen (a bf16 head: the int8 screen only)
+BF16_REL = 2 * 2.0 ** -8 * (1 + 2.0 ** -6)  # 2u / (1 - u) rounded up, u = 2^-8: a bf16 head's ties (cpu/greedy_head.c)
 LIMIT = 2.0 ** 100  # ||x_r|| max_j ||W_j|| at or above this: the usual product (no overflow anywhere in the screen)
 SCREEN_DTYPE = torch.bfloat16
 SCREEN, SCREEN8, PLAIN = "screen", "screen_i8", "logits"  # the TABLE's products for a greedy head (markers)
 CASTS = {SCREEN: SCREEN_DTYPE, SCREEN8: torch.int8}  # the copy each screen reads
 NAMES = {SCREEN: "bf16", SCREEN8: "int8"}
-_status: dict[str, str] = {}
 
 
 def mode() -> str:
@@ -88,63 +88,6 @@ def mode() -> str:
     screen up to I8_MAX_ROWS rows, else as "force"), else "auto" (measured)."""
     value = os.environ.get(SWITCH, "auto").strip().lower()
     return {"0": "off", "force": "force", "int8": "int8"}.get(value, "auto")
-
-
-class Picker:
-    """`greedy_pick` (and `pick_i8`: `greedy_pick_i8`, `screen_i8`) of cpu/greedy_head.c."""
-
-    def __init__(self, path: Path):
-        library = ctypes.CDLL(str(path))
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.fn, self.fn8, self.screen8 = library.greedy_pick, library.greedy_pick_i8, library.screen_i8
-        self.fn.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
-        self.fn8.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
-        self.screen8.argtypes = [ptr, ptr, ptr, i64, ptr, i64, i64, i64]
-        for fn in (self.fn, self.fn8, self.screen8):
-            fn.restype = None
-
-    @torch.compiler.disable  # raw pointers: never traced
-    def __call__(self, screen: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                 slack: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """screen [m, n] bf16 contiguous, rows [m, k] fp32 (rows contiguous), weight [n, k] fp32 contiguous, slack [m]
-        float64 -> (picks [m] int64, their exact logits [m] fp32, exact logits computed per row [m] int64)."""
-        m, k = rows.shape
-        token = torch.empty(m, dtype=torch.int64)
-        value = torch.empty(m, dtype=torch.float32)
-        seen = torch.empty(m, dtype=torch.int64)
-        self.fn(screen.data_ptr(), rows.data_ptr(), rows.stride(0), weight.data_ptr(), slack.data_ptr(),
-                token.data_ptr(), value.data_ptr(), seen.data_ptr(), m, weight.shape[0], k)
-        return token, value, seen
-
-    @torch.compiler.disable
-    def pick_i8(self, copy: int8_head.Int8Head, rows: torch.Tensor, weight: torch.Tensor, slack: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The same from the int8 copy `copy` of `weight`; also returns the screen [m, n] fp32."""
-        m, k = rows.shape
-        n = weight.shape[0]
-        screen = torch.empty(m, n, dtype=torch.float32)
-        token = torch.empty(m, dtype=torch.int64)
-        value = torch.empty(m, dtype=torch.float32)
-        seen = torch.empty(m, dtype=torch.int64)
-        self.fn8(copy.q.data_ptr(), copy.scales.data_ptr(), rows.data_ptr(), rows.stride(0), weight.data_ptr(),
-                 slack.data_ptr(), screen.data_ptr(), token.data_ptr(), value.data_ptr(), seen.data_ptr(), m, n, k)
-        return token, value, screen
-
-    @torch.compiler.disable
-    def screen_i8(self, copy: int8_head.Int8Head, rows: torch.Tensor) -> torch.Tensor:
-        """The int8 screen alone [m, n] fp32 (checking its bound)."""
-        m, k = rows.shape
-        n = copy.q.shape[0]
-        screen = torch.empty(m, n, dtype=torch.float32)
-        self.screen8(copy.q.data_ptr(), copy.scales.data_ptr(), rows.data_ptr(), rows.stride(0), screen.data_ptr(),
-                     m, n, k)
-        return screen
-
-
-@functools.lru_cache(maxsize=1)
-def load_picker() -> Picker | None:
-    picker, _status["reason"] = native.load(SOURCE, SWITCH, Picker)
-    return picker
 
 
 def available() -> bool:
@@ -157,16 +100,22 @@ def bf16_available() -> bool:
     return available() and packed_linear._onednn_bf16()
 
 
-def screens(rows: int) -> tuple[str, ...]:
-    """The screens a call of `rows` rows may take (`available` holds)."""
-    return ((SCREEN,) if packed_linear._onednn_bf16() else ()) + ((SCREEN8,) if rows <= I8_MAX_ROWS else ())
+def screens(rows: int, dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
+    """The screens a call of `rows` rows on a head of `dtype` may take (`available` holds)."""
+    bf16 = dtype is torch.float32 and packed_linear._onednn_bf16()
+    return ((SCREEN,) if bf16 else ()) + ((SCREEN8,) if rows <= I8_MAX_ROWS else ())
+
+
+def trial_dtype(weight: torch.Tensor) -> str:
+    """The TABLE's dtype for a greedy head's choices: "greedy" (fp32 heads), "greedy bf16"."""
+    return "greedy" if weight.dtype is torch.float32 else "greedy bf16"
 
 
 def status() -> str:
     if mode() == "off":
         return f"off ({SWITCH}=0)"
     if load_picker() is None:
-        return f"off (no native pass: {_status.get('reason')})"
+        return f"off (no native pass: {native_status()})"
     kinds = f"int8 (1-{I8_MAX_ROWS} rows)" + (" and bf16" if packed_linear._onednn_bf16() else
                                                 " (no oneDNN bf16 in this torch: no bf16 screen)")
     how = {"force": "forced (bf16)", "int8": "forced (int8)"}.get(mode(), "measured per row count")
@@ -188,11 +137,11 @@ def slack(norms: torch.Tensor, row_norm_max: float, k: int) -> torch.Tensor:
 
 
 def takes(module: torch.nn.Module, rows: torch.Tensor) -> bool:
-    """The per-call checks (besides the copy): an fp32 CPU head without bias, fp32 CPU rows, 1..MAX_ROWS of them,
-    no gradient wanted, no autocast."""
+    """The per-call checks (besides the copy): an fp32 or bf16 CPU head without bias, CPU rows of its dtype,
+    1..MAX_ROWS of them, no gradient wanted, no autocast."""
     weight = module.weight
-    return (module.bias is None and weight.dtype is torch.float32 and weight.is_cpu and weight.dim() == 2
-            and weight.is_contiguous() and rows.dtype is torch.float32 and rows.is_cpu
+    return (module.bias is None and weight.dtype in DTYPES and weight.is_cpu and weight.dim() == 2
+            and weight.is_contiguous() and rows.dtype is weight.dtype and rows.is_cpu
             and 0 < rows.shape[0] <= MAX_ROWS and rows.shape[1] == weight.shape[1]
             and not (torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad))
             and not torch.is_autocast_enabled("cpu"))
@@ -223,8 +172,17 @@ def _screen(module: torch.nn.Module, rows: torch.Tensor, kind: str = SCREEN
         return None
     copy, gap = found
     if kind == SCREEN8:
-        return load_picker().screen_i8(copy, rows), gap
+        return load_picker().screen_i8(copy, rows.float()), gap
     return torch.ops.mkldnn._linear_pointwise(rows.to(SCREEN_DTYPE), copy, None, "none", [], ""), gap
+
+
+def _tolerance(gap: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """How far a screen value may lie from the logit the head's usual product gives (`logits`: [m] or [m, n]): B_r,
+    and for a bf16 head the logit's own rounding to bf16."""
+    gap = gap if logits.dim() == 1 else gap[:, None]
+    if logits.dtype is torch.float32:
+        return gap / 2
+    return gap / 2 + BF16_REL * logits.double().abs()
 
 
 def pick(module: torch.nn.Module, rows: torch.Tensor, kind: str = SCREEN) -> torch.Tensor | None:
@@ -239,7 +197,9 @@ def pick(module: torch.nn.Module, rows: torch.Tensor, kind: str = SCREEN) -> tor
         if found is None:
             return None
         gap = found[1]
-        token, value, screen = picker.pick_i8(found[0], rows, module.weight, gap)
+        rel = 0.0 if module.weight.dtype is torch.float32 else BF16_REL
+        token, value, screen = picker.pick_i8(found[0], rows.float(), module.weight, gap, rel)
+        value = value.to(rows.dtype)  # a bf16 head's picks' bf16 logits (exact in fp32)
     else:
         screened = _screen(module, rows)
         if screened is None:
@@ -248,7 +208,7 @@ def pick(module: torch.nn.Module, rows: torch.Tensor, kind: str = SCREEN) -> tor
         token, value, _ = picker(screen, rows, module.weight, gap)
     # the picks agree with the copy: a weight changed without the checks seeing it would be caught here for the
     # picks at least (the screen then was of another weight)
-    if bool(((screen.gather(1, token[:, None])[:, 0].double() - value.double()).abs() > gap / 2).any()):
+    if bool(((screen.gather(1, token[:, None])[:, 0].double() - value.double()).abs() > _tolerance(gap, value)).any()):
         packed_linear.forget([module], (CASTS[kind],))
         return None
     return token
@@ -285,21 +245,22 @@ class GreedyStep:
 
 
 def bound_holds(module: torch.nn.Module, rows: torch.Tensor, logits: torch.Tensor, kind: str = SCREEN) -> bool:
-    """Whether every `kind` screen value of `rows` lies within B_r of the fp32 logits `logits` (the head's usual
-    product): the bound's premises (bf16: one bf16 rounding of each input, fp32 accumulation in oneDNN; int8: the
-    native pass's fp32 sums) checked on this machine once per trial. False also where `_screen` gives none."""
+    """Whether every `kind` screen value of `rows` lies within B_r of the logits `logits` (the head's usual product;
+    a bf16 head's: within B_r and their rounding): the bound's premises (bf16: one bf16 rounding of each input, fp32
+    accumulation in oneDNN; int8: the native pass's fp32 sums; a bf16 head's usual product: fp32 sums rounded once)
+    checked on this machine once per trial. False also where `_screen` gives none."""
     screened = _screen(module, rows, kind)
     if screened is None:
         return False
     screen, gap = screened
-    return bool(((screen.double() - logits.double()).abs() <= gap[:, None] / 2).all())
+    return bool(((screen.double() - logits.double()).abs() <= _tolerance(gap, logits)).all())
 
 
 def _trial(key: Key, module: torch.nn.Module, rows: torch.Tensor, step: GreedyStep) -> tuple[str | None, str]:
     """For a call of `key` without a choice: (name, product) of the candidate this call runs for the trial, or
     (None, the choice) where it is made. The trial's first call checks each screen's bound on these rows first; a
     screen that strays beyond it from the usual product's logits is no candidate (a warning says so)."""
-    products = {PLAIN: PLAIN, **{kind: kind for kind in screens(rows.shape[0])}}
+    products = {PLAIN: PLAIN, **{kind: kind for kind in screens(rows.shape[0], module.weight.dtype)}}
     if key not in TABLE.trials and key not in TABLE.fast:
         with torch.no_grad():
             logits = step.plain(module, rows)
@@ -317,18 +278,29 @@ def _trial(key: Key, module: torch.nn.Module, rows: torch.Tensor, step: GreedySt
 def keep_copies(module: torch.nn.Module) -> None:
     """Drop the head's copies that no open trial runs and no row bucket chose (a bucket choosing a screen later makes
     its copy again)."""
-    shape = module.weight.shape
-    mine = [k for k in (*TABLE.fast, *TABLE.trials) if k[0] == shape and k[1] == "greedy"]
+    weight = module.weight
+    mine = [k for k in (*TABLE.fast, *TABLE.trials) if k[0] == weight.shape and k[1] == trial_dtype(weight)]
     wanted = {SCREEN, SCREEN8} if any(k in TABLE.trials for k in mine) else {TABLE.fast.get(k) for k in mine}
-    packed_linear.forget([module], tuple(cast for kind, cast in CASTS.items() if kind not in wanted))
+    kinds = CASTS if weight.dtype is torch.float32 else (SCREEN8,)  # a bf16 head's own packed copy is not ours
+    packed_linear.forget([module], tuple(CASTS[kind] for kind in kinds if kind not in wanted))
+
+
+def _forced(weight: torch.Tensor, rows: int) -> str | None:
+    """The product `HF_PAGED_GREEDY_HEAD=force` / `=int8` takes (the bf16 / the int8 screen first, else the other,
+    else the usual product), or None (measured)."""
+    order = {"force": (SCREEN, SCREEN8), "int8": (SCREEN8, SCREEN)}.get(mode())
+    if order is None:
+        return None
+    allowed = screens(rows, weight.dtype)
+    return next((kind for kind in order if kind in allowed), PLAIN)
 
 
 def known_plain(module: torch.nn.Module, rows: int) -> bool:
     """Whether a greedy call of `rows` rows is already known to take the usual product (measured so): a runner
     then need not ask for picks, and a step whose products are all F.linear swaps nothing."""
     return (mode() == "auto" and 0 < rows <= MAX_ROWS
-            and TABLE.fast.get((module.weight.shape, "greedy", BUCKET_OF[rows], torch.get_num_threads(), True))
-            == PLAIN)
+            and TABLE.fast.get((module.weight.shape, trial_dtype(module.weight), BUCKET_OF[rows],
+                                torch.get_num_threads(), True)) == PLAIN)
 
 
 @torch.compiler.disable
@@ -349,9 +321,8 @@ def greedy_head_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
         return step.output
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    key = (self.weight.shape, "greedy", BUCKET_OF[m], torch.get_num_threads(), True)
-    forced = {"force": SCREEN, "int8": SCREEN8 if m <= I8_MAX_ROWS else SCREEN}.get(mode())
-    choice, name = forced or TABLE.fast.get(key), None
+    key = (self.weight.shape, trial_dtype(self.weight), BUCKET_OF[m], torch.get_num_threads(), True)
+    choice, name = _forced(self.weight, m) or TABLE.fast.get(key), None
     if choice is None:
         key = Key(tuple(key[0]), *key[1:])
         name, choice = _trial(key, self, rows, step)

@@ -220,9 +220,14 @@ def weight_packable(weight: torch.Tensor, cast: torch.dtype | None = None) -> bo
     a bf16, CPU, 2-D, contiguous `Parameter` held as such (not one recomputed on every call, as pruning or a
     parametrization makes it: that would repack on every call) and not an inference tensor (made under
     `torch.inference_mode()`: no version counter, so an in-place edit would go unseen unless it hit a sample).
-    With `cast` (a bf16 or int8 screen of an fp32 weight): an fp32 weight, otherwise the same."""
-    dtype_ok = weight.dtype in DTYPES if cast is None else \
-        (weight.dtype is torch.float32 and (cast in DTYPES or cast is torch.int8))
+    With `cast` (a bf16 screen of an fp32 weight, an int8 one of an fp32 or bf16 weight): such a weight, otherwise the
+    same."""
+    if cast is None:
+        dtype_ok = weight.dtype in DTYPES
+    elif cast is torch.int8:
+        dtype_ok = weight.dtype is torch.float32 or weight.dtype in DTYPES
+    else:
+        dtype_ok = weight.dtype is torch.float32 and cast in DTYPES
     return (isinstance(weight, torch.nn.Parameter) and dtype_ok and weight.is_cpu
             and weight.dim() == 2 and weight.is_contiguous() and type(weight.data) is torch.Tensor
             and not weight.is_inference())

@@ -112,7 +112,7 @@ def small_linear_status() -> str:
     head = ("native kernel, W @ x^T or F.linear" if loaded else "W @ x^T or F.linear") + \
         ", the fastest measured per weight shape and row count" + ("" if loaded else f" (no native kernel: {reason})") \
         + ("; bf16: oneDNN's packed copy or F.linear, measured alike" if packed_linear.supported() else "") \
-        + f"; greedy steps' fp32 LM head: {greedy_head.status()}"
+        + f"; greedy steps' LM head: {greedy_head.status()}"
     report = summary(TABLE.report())
     return f"{head}; chosen: {report}" if report else f"{head}; nothing measured yet"
 
@@ -271,12 +271,15 @@ class SmallBatchLinears:
         self.ids = frozenset(id(m) for m in self.modules)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.head = head if any(m is head for m in self.modules) else None
-        # an fp32 head without bias may screen the logits of greedy steps (greedy_head); its bf16 copy is checked
+        # an fp32 or bf16 head without bias may screen the logits of greedy steps (greedy_head); its copies are checked
         # with the bf16 linears' packed copies
-        self.greedy_head = self.head if (self.head is not None and self.head.weight.dtype == torch.float32
+        self.greedy_head = self.head if (self.head is not None and self.head.weight.dtype in greedy_head.DTYPES
                                          and self.head.bias is None and greedy_head.available()) else None
-        self.head_function = function  # the head's usual forward, for a greedy step's fallback
-        self.packed = packed_linear.PackedLinears(packable + ([self.greedy_head] if self.greedy_head else []))
+        # the head's usual forward, for a greedy step's fallback
+        self.head_function = function if self.head is None or self.head.weight.dtype == torch.float32 else \
+            packed_linear.forward_for(packed_linear.mode())
+        fp32_head = [self.greedy_head] if self.greedy_head is not None and self.greedy_head not in packable else []
+        self.packed = packed_linear.PackedLinears(packable + fp32_head)
         self.plain_steps: set = set()  # (rows, head rows, threads) of steps whose every product is F.linear
 
     def plain(self, rows: int, head_rows: int) -> bool:

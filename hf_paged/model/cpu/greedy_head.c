@@ -65,13 +65,16 @@ typedef struct {
     int64_t pick, count;
 } Pick;
 
-static inline void consider(Pick *p, const float *restrict xr, const float *restrict w, int64_t j, int64_t k) {
-    const float exact = dot(xr, w + j * k, k);
+static inline void take(Pick *p, float exact, int64_t j) {
     p->count++;
     if (p->pick < 0 || exact > p->best) {
         p->best = exact;
         p->pick = j;
     }
+}
+
+static inline void consider(Pick *p, const float *restrict xr, const float *restrict w, int64_t j, int64_t k) {
+    take(p, dot(xr, w + j * k, k), j);
 }
 
 static inline void store(Pick p, int64_t r, int64_t *token, float *value, int64_t *seen) {
@@ -205,9 +208,31 @@ static inline float float_at_or_below(double t) {
     return (double)f > t ? nextafterf(f, -INFINITY) : f;
 }
 
+/* A bf16 head's logit as its usual product gives it: the fp32 sum of x[i] * w[i] (every product exact in fp32),
+ * rounded to bf16 (to nearest, ties to even; finite values). */
+static inline float bf16_logit(const float *restrict xr, const uint16_t *restrict w, int64_t k) {
+    float total = 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        const uint32_t bits = (uint32_t)w[i] << 16;
+        float wi;
+        memcpy(&wi, &bits, sizeof wi);
+        total += xr[i] * wi;
+    }
+    uint32_t u;
+    memcpy(&u, &total, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&total, &u, sizeof total);
+    return total;
+}
+
+/* w: the fp32 head, or NULL for a bf16 head `w_bf16` [n, k] (then x holds its rows converted to fp32). A bf16 head's
+ * logits are rounded to bf16, so several may tie for a row's maximum M = bf16(L*), L* the largest fp32 sum: a j with
+ * bf16(L_j) = M has L_j >= M - u |L_j| and M >= L* - u |L*| (u = 2^-8), and |L_j|, |L*| <= (|top| + B)(1 + 2u) with
+ * top the screen's maximum, so the floor drops a further `rel` (|top| + slack / 2), rel >= 2u (1 + 2u)^2 (the
+ * caller's); the first j with the largest bf16 value is the pick, as `first_argmax` of the bf16 logits. */
 void greedy_pick_i8(const int8_t *q, const float *scale, const float *x, int64_t x_stride, const float *w,
-                    const double *slack, float *screen, int64_t *token, float *value, int64_t *seen, int64_t m,
-                    int64_t n, int64_t k) {
+                    const uint16_t *w_bf16, const double *slack, double rel, float *screen, int64_t *token,
+                    float *value, int64_t *seen, int64_t m, int64_t n, int64_t k) {
     screen_i8(q, scale, x, x_stride, screen, m, n, k);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; r++) {
@@ -215,12 +240,17 @@ void greedy_pick_i8(const int8_t *q, const float *scale, const float *x, int64_t
         float top = row[0];
         for (int64_t j = 1; j < n; j++)
             top = row[j] > top ? row[j] : top;
-        const float floor_value = float_at_or_below((double)top - slack[r]);
+        const float floor_value = float_at_or_below((double)top - slack[r] - rel * (fabs((double)top) + slack[r] / 2));
         const float *xr = x + r * x_stride;
         Pick p = {0.0f, -1, 0};
-        for (int64_t j = 0; j < n; j++)
-            if (row[j] >= floor_value)
+        for (int64_t j = 0; j < n; j++) {
+            if (row[j] < floor_value)
+                continue;
+            if (w != NULL)
                 consider(&p, xr, w, j, k);
+            else
+                take(&p, bf16_logit(xr, w_bf16 + j * k, k), j);
+        }
         store(p, r, token, value, seen);
     }
 }

@@ -43,16 +43,16 @@ Invariants:
   NaN / inf logits end their requests exactly as without the screen. A copy of a weight with a non-finite row norm
   is not used.
 - The copies live and are checked like the bf16 linears' packed copies (`packed_linear`: the weight's storage,
-  version counter and sampled entries before every forward; `reset_prefix_cache()` drops it): an optimizer step or
-  `load_state_dict` makes a new one. Each pick is also checked against the copy: its exact logit must lie within B_r
+  version counter and sampled entries before every forward; `reset_prefix_cache()` drops them): an optimizer step
+  or `load_state_dict` makes new ones. Each pick is also checked against the copy: its exact logit must lie within B_r
   of its screen value, else the copy is dropped and the call takes the usual product.
 - Worth it only where measured: the first calls of each (head shape, row bucket, threads) run the screens and the
   head's usual product followed by `first_argmax` in turn, each call timed in its own step (`linear_choice.Trial`,
-  dtype "greedy" / "greedy bf16"; the first checks each screen's bound against the usual product's logits on those rows: a oneDNN or
-  a build that broke its premises leaves that screen out); the usual product stays unless a screen is more than 5 %
-  faster. `HF_PAGED_GREEDY_HEAD=0` turns the screens off (also: no C compiler; no oneDNN bf16: no bf16 screen),
-  `=force` takes the bf16 screen wherever it may, `=int8` the int8 one up to I8_MAX_ROWS rows, else the bf16 one
-  (tests).
+  dtype "greedy" / "greedy bf16"; the first checks each screen's bound against the usual product's logits on those
+  rows: a oneDNN or a build that broke its premises leaves that screen out); the usual product stays unless a screen
+  is more than 5 % faster. `HF_PAGED_GREEDY_HEAD=0` turns the screens off (also: no C compiler; no oneDNN bf16: no
+  bf16 screen), `=force` takes the bf16 screen wherever it may, `=int8` the int8 one up to I8_MAX_ROWS rows, else the
+  bf16 one (tests).
 - Memory: the bf16 copy (half the head's size) and the int8 copy (a quarter), each only while a trial runs it or a
   row bucket chose it, under packed_linear's budget.
 """

@@ -128,7 +128,9 @@ void greedy_pick(const uint16_t *screen, const float *x, int64_t x_stride, const
 #ifdef __AVX512F__
 typedef __m512 vf;
 #define VW 16
-static inline vf q_load(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline vf q_load(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 static inline vf x_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf v_zero(void) { return _mm512_setzero_ps(); }

@@ -60,6 +60,7 @@ def test_a_packed_trial_keeps_the_faster_and_no_copy_for_f_linear(clock, monkeyp
     monkeypatch.setattr(torch.nn.functional, "linear", linear)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     want = real_linear(x, net.proj.weight, net.proj.bias)
+    screen_copy = packed_linear.copy_for(net.proj, net.proj.weight, torch.int8)  # as a bf16 LM head's int8 screen
     for _ in range(2 * (1 + SAMPLES)):
         with linears.active(), torch.inference_mode():
             torch.testing.assert_close(net(x).float(), want.float(), rtol=2e-2, atol=2e-2)
@@ -68,6 +69,7 @@ def test_a_packed_trial_keeps_the_faster_and_no_copy_for_f_linear(clock, monkeyp
     assert entry["path"] == ("packed" if packed_wins else "f_linear") and entry["source"] == "measured"
     assert entry["us"] == {name: cost * 1e6 for name, cost in costs.items()}
     assert (packed_linear._COPIES.get(net.proj) is not None) == packed_wins
+    assert packed_linear._INT8.get(net.proj) is screen_copy  # not the packed trial's to drop
 
 
 @pytest.mark.skipif(not greedy_head.bf16_available(), reason="no oneDNN bf16 or no C compiler")

@@ -208,7 +208,8 @@ def pick(module: torch.nn.Module, rows: torch.Tensor, kind: str = SCREEN) -> tor
         token, value, _ = picker(screen, rows, module.weight, gap)
     # the picks agree with the copy: a weight changed without the checks seeing it would be caught here for the
     # picks at least (the screen then was of another weight)
-    if bool(((screen.gather(1, token[:, None])[:, 0].double() - value.double()).abs() > _tolerance(gap, value)).any()):
+    strayed = (screen.gather(1, token[:, None])[:, 0].double() - value.double()).abs() > _tolerance(gap, value)
+    if bool(strayed.any()):
         packed_linear.forget([module], (CASTS[kind],))
         return None
     return token

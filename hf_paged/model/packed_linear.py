@@ -21,7 +21,8 @@ Invariants:
   with their values when packed: writes that bypass the version counter (through `.data`, as PEFT merges LoRA into
   base weights; through a flat buffer the parameters view, as `vector_to_parameters` leaves them; through a numpy or
   DLPack alias) and change any of them drop every copy of the model. Not caught: such a write that changes none of
-  the sampled entries; `LLM.reset_prefix_cache()` drops the copies as well. Inference tensors (no version counter) are never packed.
+  the sampled entries; `LLM.reset_prefix_cache()` drops the copies as well. Inference tensors (no version counter)
+  are never packed.
 - Memory: a copy is a second copy of its weight (oneDNN pads small ones: counted as packed). All copies in the
   process together stay under BUDGET_SHARE of the memory available when the first was made; beyond that, F.linear.
   `HF_PAGED_PACKED_LINEARS=0` turns them off.
@@ -84,15 +85,16 @@ class PackedCopy:
         """`cast`: pack `weight` cast to this dtype (an fp32 LM head's bf16 screen, `greedy_head`); the copy then also
         knows the largest Euclidean norm of the weight's rows (`row_norm_max`, computed in float64 from the weight
         itself, not the cast). `cast=torch.int8`: `packed` is the head's int8 copy instead (`int8_head.Int8Head`,
-        for the int8 screen), `row_norm_max` the same."""
+        for the int8 screen), `row_norm_max` the same (from the norms it computed)."""
         with torch.no_grad():
             if cast is torch.int8:
                 self.packed = int8_head.quantize(weight.detach())
+                self.row_norm_max = self.packed.w_norm_max
             else:
                 source = weight.detach() if cast is None else weight.detach().to(cast)
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(source, BATCH_HINT)
                 del source
-            self.row_norm_max = None if cast is None else _row_norm_max(weight.detach())
+                self.row_norm_max = None if cast is None else _row_norm_max(weight.detach())
         self.storage = StorageWeakRef(weight.untyped_storage())
         self.address, self.version, self.shape = weight.data_ptr(), _version(weight), weight.shape
         self.stride, self.dtype = weight.stride(), weight.dtype
@@ -157,6 +159,8 @@ def _store(cast: torch.dtype | None) -> "weakref.WeakKeyDictionary[torch.nn.Modu
 
 def _all_copies() -> list[PackedCopy]:
     return [*_COPIES.values(), *_INT8.values()]
+
+
 _LOCK = threading.Lock()
 _budget: list[int] = []  # bytes, fixed when the first copy is made
 
@@ -312,7 +316,7 @@ def _measured(module: torch.nn.Module, key: tuple, rows: torch.Tensor, copy: Pac
         return out if input.dim() == 2 else out.view(*input.shape[:-1], module.weight.shape[0])
     out, decided = TABLE.timed(key, name, run)
     if decided and TABLE.fast.get(key) is f_linear:
-        forget([module])
+        forget([module], (None,))  # its packed copy only (a bf16 LM head's int8 screen copy is greedy_head's)
     return out
 
 

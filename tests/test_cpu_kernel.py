@@ -15,10 +15,13 @@ from test_attention import make_case, reference
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
 @pytest.mark.parametrize("head_dim, heads, kv_heads, window, softcap", [
-    (64, 8, 2, None, None), (128, 8, 1, None, None), (80, 4, 4, 37, None), (64, 16, 2, 100, 4.0)])
+    (64, 8, 2, None, None), (128, 8, 1, None, None), (80, 4, 4, 37, None), (64, 16, 2, 100, 4.0),
+    (96, 12, 2, None, None), (40, 6, 3, 50, None), (256, 7, 1, None, 2.0)])
 def test_native_cpu_decode_kernel_builds_and_matches_reference(head_dim, heads, kv_heads, window, softcap):
     """Decodes only (the kernel's case), long uneven contexts over a shuffled pool; the head dims the kernel
-    specializes (64, 128) and a generic one, GQA / MQA / MHA, sliding window and softcap. 2 sequences (an item per
+    specializes (64, 128), generic multiples of 16 (80, 96, 256: 16-float vectors, V weighed in blocks of up to 4
+    heads x 64 dims, tails of both), one that is not (40: the scalar path), GQA / MQA / MHA, sliding window and
+    softcap. 2 sequences (an item per
     kv head, so few sequences still use every thread) and 40 (an item per sequence, all its kv heads)."""
     assert cpu_kernel_status() == "loaded"
     lengths = (1, 15, 16, 17, 100, 257, 64, 3, 190, 33)

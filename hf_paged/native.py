@@ -37,6 +37,7 @@ class UnsafeCacheError(RuntimeError):
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-shared", "-fPIC")
+EXACT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 
 
 def cache_dir() -> Path:
@@ -181,14 +182,16 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
     return target
 
 
-def load(source: Path, switch: str, wrap: Callable[[Path], T]) -> tuple[T | None, str]:
+def load(source: Path, switch: str, wrap: Callable[[Path], T],
+         flags: tuple[str, ...] = FLAGS) -> tuple[T | None, str]:
     """`wrap(the built library's path)` and "loaded", or None and why not: the environment variable `switch` set to
     0, no compiler, a failed build, an unsafe cache folder or a library that does not load or lacks the kernel's
-    function (`wrap` raising OSError or AttributeError). The last three are logged as a one-line warning."""
+    function (`wrap` raising OSError or AttributeError). The last three are logged as a one-line warning. `flags`:
+    EXACT_FLAGS for code whose every rounding must be the one written (no reassociation)."""
     if os.environ.get(switch, "1") == "0":
         return None, f"disabled by {switch}=0"
     try:
-        path = build(source)
+        path = build(source, flags)
     except UnsafeCacheError as error:
         if str(error) not in _warned:  # once per process, not once per kernel
             _warned.add(str(error))

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import greedy_head, packed_linear
+from . import fused_norms, greedy_head, packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -232,11 +232,12 @@ def _small_batch_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
 
 
 OUR_FORWARDS = (_measured_linear, _kernel_linear, _small_batch_linear, packed_linear._packed_linear,
-                packed_linear._forced_packed_linear, greedy_head.greedy_head_forward)
+                packed_linear._forced_packed_linear, greedy_head.greedy_head_forward,
+                fused_norms.fused_rms_norm_forward)
 
 
 def drop_leftover_forwards(model: torch.nn.Module) -> int:
-    """Remove our swapped-in linear forwards from a model that nobody is running (a copy taken in the middle of an
+    """Remove our swapped-in linear (and norm) forwards from a model that nobody is running (a copy taken in the middle of an
     engine's forward carries them); returns how many. Called when a model gets its forward lock."""
     dropped = 0
     for module in model.modules():

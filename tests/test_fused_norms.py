@@ -1,0 +1,149 @@
+"""model/fused_norms.py: the native RMSNorm gives transformers' LlamaRMSNorm output bit for bit (fp32 and bf16, row
+widths with and without tails, the sum's cascade levels), is used only for modules whose class runs that very code,
+only during one forward of the thread that swapped it in, and leaves autograd and other dtypes to the class."""
+import itertools
+import threading
+
+import pytest
+import torch
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+from hf_paged.model import FusedNorms, fused_norms
+from hf_paged.model.fused_norms import is_llama_rms_norm, load_rms_norm, matching_lanes, verified_lanes
+
+pytestmark = pytest.mark.skipif(load_rms_norm() is None, reason="the native RMSNorm does not build here")
+
+
+@pytest.fixture(autouse=True)
+def forced(monkeypatch):
+    """Used wherever it matches bit for bit, whatever this machine's timing says (that is verified_lanes' own)."""
+    monkeypatch.setenv("HF_PAGED_FUSED_NORMS", "force")
+    verified_lanes.cache_clear()
+    yield
+    verified_lanes.cache_clear()
+
+
+class Net(torch.nn.Module):
+    def __init__(self, n=96):
+        super().__init__()
+        self.norm = LlamaRMSNorm(n, eps=1e-5)
+        self.other = Qwen2RMSNorm(n)
+        self.gemma = GemmaRMSNorm(n)
+        with torch.no_grad():
+            for module in (self.norm, self.other, self.gemma):
+                module.weight.copy_(torch.randn(n))
+
+    def forward(self, x):
+        return self.gemma(self.other(self.norm(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [40, 100, 512, 1000, 4096, 8200, 16408])
+def test_bit_for_bit_with_transformers(n, dtype):
+    """Widths below one vector of every lane count, with scalar tails, with vectors left over the four sums, with
+    one and two cascade levels (512: 16 steps of 4 x 8 lanes; 8200: over 256); rows from 1e-4 to 1e4."""
+    lanes = matching_lanes(n, dtype)
+    assert lanes in fused_norms.LANES
+    generator = torch.Generator().manual_seed(n)
+    norm = LlamaRMSNorm(n, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(n, generator=generator))
+    norm = norm.to(dtype)
+    x = (torch.randn(2, 33, n, generator=generator) * torch.logspace(-4, 4, 33).view(1, 33, 1)).to(dtype)
+    assert torch.equal(load_rms_norm()(x, norm.weight, 1e-6, lanes), norm(x))
+    other = 8 if lanes == 16 else 16  # the other order: the same values, not the same bits
+    if dtype == torch.float32:
+        assert not torch.equal(load_rms_norm()(x, norm.weight, 1e-6, other), norm(x))
+
+
+def test_which_modules_fuse():
+    """LlamaRMSNorm and a class with the same code (Qwen2's) fuse; Gemma's (1 + weight) does not, nor a subclass
+    that overrides forward, nor a module holding a forward of its own."""
+    net = Net()
+    assert is_llama_rms_norm(net.norm) and is_llama_rms_norm(net.other) and not is_llama_rms_norm(net.gemma)
+    sub = type("Scaled", (LlamaRMSNorm,), {"forward": lambda self, h: LlamaRMSNorm.forward(self, h) * 2})(8)
+    assert not is_llama_rms_norm(sub)
+    norms = FusedNorms(net)
+    assert norms.modules == [net.norm, net.other]
+    net.other.forward = lambda h: torch.zeros_like(h)  # a hook's or wrapper's forward stays in place
+    x = torch.randn(3, 96)
+    with norms.active(), torch.inference_mode():
+        assert "forward" in vars(net.norm)
+        assert not net.other(x).any()
+    assert "forward" not in vars(net.norm) and not net.other(x).any()
+
+
+def test_swapped_only_for_one_forward_and_one_thread():
+    """The engine's forward gets the native pass; the same model's forward in another thread meanwhile, and any
+    forward after it, get the class's (the kernel is never reached: it would fail here)."""
+    net = Net()
+    norms = FusedNorms(net)
+    x = torch.randn(2, 5, 96)
+    want = net(x)
+    calls = []
+    kernel = load_rms_norm()
+    seen = {}
+
+    def counting(*args):
+        calls.append(threading.get_ident())
+        return kernel(*args)
+
+    def other_thread():
+        with torch.inference_mode():  # as an engine's forward runs (autograd would send it to the class anyway)
+            seen["other"] = net(x)
+
+    original = fused_norms.load_rms_norm
+    fused_norms.load_rms_norm = lambda: counting
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            with norms.active(), torch.inference_mode():
+                assert torch.equal(net(x), want)
+                thread = threading.Thread(target=other_thread)
+                thread.start()
+                thread.join()
+                raise RuntimeError("boom")
+    finally:
+        fused_norms.load_rms_norm = original
+    assert calls and set(calls) == {threading.get_ident()} and len(calls) == 2  # two norms, this thread only
+    assert torch.equal(seen["other"], want)
+    assert all("forward" not in vars(m) for m in net.modules())
+
+
+def test_autograd_and_other_dtypes_take_the_class_forward():
+    net = Net()
+    norms = FusedNorms(net)
+    x = torch.randn(4, 96, requires_grad=True)
+    with norms.active():
+        out = net.norm(x)
+        assert out.grad_fn is not None
+        out.sum().backward()
+        assert x.grad is not None
+        half = net.norm.half()
+        assert torch.equal(half(x.detach().half()), LlamaRMSNorm.forward(half, x.detach().half()))
+
+
+def test_switched_off(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_FUSED_NORMS", "0")
+    for cached in (load_rms_norm, matching_lanes, verified_lanes):
+        cached.cache_clear()
+    try:
+        assert fused_norms.fused_norms_status() == "disabled by HF_PAGED_FUSED_NORMS=0"
+        assert FusedNorms(Net()).modules == []
+    finally:
+        monkeypatch.setenv("HF_PAGED_FUSED_NORMS", "force")
+        for cached in (load_rms_norm, matching_lanes, verified_lanes):
+            cached.cache_clear()
+
+
+@pytest.mark.parametrize("ours_faster", [True, False])
+def test_used_only_where_timed_faster(monkeypatch, ours_faster):
+    """Without `force` a width is used only if its 64-row pass beat transformers' forward here."""
+    monkeypatch.setenv("HF_PAGED_FUSED_NORMS", "1")
+    verified_lanes.cache_clear()
+    turns = itertools.count()  # calls alternate: ours, theirs, ours, ...
+    monkeypatch.setattr(fused_norms, "_seconds", lambda call: (1.0 if next(turns) % 2 == 0 else 2.0)
+                        if ours_faster else (2.0 if next(turns) % 2 == 0 else 1.0))
+    assert (verified_lanes(96, torch.float32, 1) is not None) is ours_faster
+    assert (FusedNorms(Net()).modules != []) is ours_faster

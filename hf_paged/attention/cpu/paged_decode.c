@@ -15,11 +15,13 @@
  * each block's end), and serves all query heads of each GQA group from them. On a 2-vCPU EPYC, 64 sequences of
  * 40-240 keys, 8 layers (K/V far beyond the caches): 8.1 ms per step with an item per kv head and no prefetch,
  * 4.5-4.7 ms with one dot product (and one horizontal sum) per key and head.
- * Head dims that are a multiple of 16 (`decode_item_vec`) take 16-float vectors: scores for 16 keys at a time per
- * query head, whose 16 dot products' lanes one tree of shuffles sums (`lane_sums`), and V weighed with the outputs
- * in registers. On a 2-vCPU AMX Xeon (same 64 sequences, 8 heads / 2 KV heads of 64, 8 layers, one thread): bf16
- * pages 0.71-0.74 -> 0.56-0.59 ms per layer, fp32 0.57-0.62 -> 0.59-0.61 (fp32 is bound by reading the pages:
- * 9.2 MB per layer at 16 GB/s, where this machine's one-thread sequential read is 20 GB/s).
+ * bf16 pages with head dims that are a multiple of 16 (`decode_item_vec`) take 16-float vectors: scores for 16 keys
+ * at a time per query head, whose 16 dot products' lanes one tree of shuffles sums (`lane_sums`), the next keys' K
+ * rows and these keys' V rows prefetched a few rows per head, and V weighed with the outputs in registers. On a
+ * 2-vCPU AMX Xeon (same 64 sequences, 8 heads / 2 KV heads of 64, 8 layers, one thread, both builds in one process
+ * taking turns, fastest of 15): bf16 pages 0.757 -> 0.559 ms per layer. fp32 pages keep the per-key path: there the
+ * reads bound the time (9.2 MB per layer at 15 GB/s; this machine reads 20 GB/s sequentially on one thread) and the
+ * vector path measured 0.622 against 0.599 ms.
  * The query sits at position pos = context_len - 1 (bottom-right); a sliding window keeps keys k > pos - window,
  * an attention chunk C keys k >= (pos / C) * C. Softcap applies tanh(s / cap) * cap to scaled scores; ALiBi
  * (`alibi`: [num_heads] slopes, or NULL) then adds slope * (k - pos); a sink (`sinks`: [num_heads] logits, or NULL)
@@ -121,6 +123,11 @@ ALWAYS_INLINE void softmax_rows(float *restrict sg, int64_t heads, int64_t count
 #pragma omp simd
         for (int64_t i = 0; i < count; ++i) sh[i] *= inv;
     }
+}
+
+ALWAYS_INLINE void prefetch_row_l2(const void *cache, int64_t offset, int64_t elements, int bf16) {
+    const char *row = (const char *)cache + offset * (bf16 ? 2 : 4);
+    for (int64_t byte = 0; byte < elements * (bf16 ? 2 : 4); byte += 64) __builtin_prefetch(row + byte, 0, 2);
 }
 
 /* One item: `num_kv` consecutive kv heads of one sequence (their per_kv query heads each) over its `count` keys.
@@ -250,7 +257,7 @@ ALWAYS_INLINE void weigh_values(const void *restrict value_cache, int bf16, cons
         for (int j = 0; j < nv; ++j) memcpy(og + h * head_dim + d0 + 16 * j, &acc[h][j], sizeof(vec16));
 }
 
-/* decode_item for head_dim % 16 == 0: scores KEYS keys at a time per query head (each K row read from L1 by the
+/* decode_item for head_dim % 16 == 0 (bf16 pages): scores KEYS keys at a time per query head (each K row read from L1 by the
  * group's heads, the dot products' lanes summed by lane_sums), the softmax as before, then V weighed with
  * accumulators in registers in blocks of up to 4 heads x 64 dims, every output summed over the keys in order. */
 ALWAYS_INLINE void decode_item_vec(const float *restrict qg, const void *restrict key_cache,
@@ -273,6 +280,8 @@ ALWAYS_INLINE void decode_item_vec(const float *restrict qg, const void *restric
                 /* the next chunk's rows, spread over the chunk's (kv head, query head) passes */
                 for (int64_t i = c + KEYS + g * KEYS / heads; i < c + KEYS + (g + 1) * KEYS / heads && i < count; ++i)
                     prefetch_row(key_cache, offsets[i], row, bf16);
+                for (int64_t i = c + g * KEYS / heads; i < c + (g + 1) * KEYS / heads && i < count; ++i)
+                    prefetch_row_l2(value_cache, offsets[i], row, bf16);
                 const float *restrict qh = qg + g * head_dim;
                 vec16 acc[KEYS];
                 for (int i = 0; i < KEYS; ++i) acc[i] = (vec16){0};
@@ -354,13 +363,18 @@ ALWAYS_INLINE void paged_decode(const float *q, const void *key_cache, const voi
                             kv_per_item, D, max_context, scale, softcap, alibi_g, sinks_g)
 #define ITEM_VEC(D) decode_item_vec(qg, key_cache, value_cache, bf16, offsets, tokens, sg, og, ctx, count, per_kv, \
                                    kv_per_item, D, max_context, scale, softcap, alibi_g, sinks_g)
-        switch (head_dim) {
-            case 64: ITEM_VEC(64); break;
-            case 128: ITEM_VEC(128); break;
-            default:
-                if (head_dim % 16 == 0) ITEM_VEC(head_dim);
-                else ITEM(head_dim);
-                break;
+        if (bf16 && head_dim % 16 == 0) { /* bf16 pages: the sums, not the reads, bound the time */
+            switch (head_dim) {
+                case 64: ITEM_VEC(64); break;
+                case 128: ITEM_VEC(128); break;
+                default: ITEM_VEC(head_dim); break;
+            }
+        } else {
+            switch (head_dim) {
+                case 64: ITEM(64); break;
+                case 128: ITEM(128); break;
+                default: ITEM(head_dim); break;
+            }
         }
 #undef ITEM_VEC
         free(offsets);

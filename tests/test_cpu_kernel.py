@@ -19,8 +19,8 @@ from test_attention import make_case, reference
     (40, 6, 3, 50, None)])
 def test_native_cpu_decode_kernel_builds_and_matches_reference(head_dim, heads, kv_heads, window, softcap):
     """Decodes only (the kernel's case), long uneven contexts over a shuffled pool; the head dims the kernel
-    specializes (64, 128) and generic ones (80, 40), GQA / MQA / MHA, sliding window and softcap. 2 sequences (an item per
-    kv head, so few sequences still use every thread) and 40 (an item per sequence, all its kv heads)."""
+    specializes (64, 128) and generic ones (80, 40), GQA / MQA / MHA, sliding window and softcap. 2 sequences (an
+    item per kv head, so few sequences still use every thread) and 40 (an item per sequence, all its kv heads)."""
     assert cpu_kernel_status() == "loaded"
     lengths = (1, 15, 16, 17, 100, 257, 64, 3, 190, 33)
     for seqs in ([(1, n) for n in lengths[4:6]], [(1, n) for n in lengths * 4]):

@@ -257,8 +257,8 @@ ALWAYS_INLINE void weigh_values(const void *restrict value_cache, int bf16, cons
         for (int j = 0; j < nv; ++j) memcpy(og + h * head_dim + d0 + 16 * j, &acc[h][j], sizeof(vec16));
 }
 
-/* decode_item for head_dim % 16 == 0 (bf16 pages): scores KEYS keys at a time per query head (each K row read from L1 by the
- * group's heads, the dot products' lanes summed by lane_sums), the softmax as before, then V weighed with
+/* decode_item for head_dim % 16 == 0 (bf16 pages): scores KEYS keys at a time per query head (each K row read from
+ * L1 by the group's heads, the dot products' lanes summed by lane_sums), the softmax as before, then V weighed with
  * accumulators in registers in blocks of up to 4 heads x 64 dims, every output summed over the keys in order. */
 ALWAYS_INLINE void decode_item_vec(const float *restrict qg, const void *restrict key_cache,
                                    const void *restrict value_cache, int bf16, const int64_t *restrict offsets,

@@ -17,7 +17,7 @@ forward. Before a width and dtype is used, the kernel must give that forward's o
 `HF_PAGED_FUSED_NORMS=0`: never built nor used; `=force`: used wherever it matches, untimed (tests).
 
 On a 2-vCPU AMX Xeon, one thread, width 512: 64 rows 37 -> 15 us, 7,034 rows (a prefill) 4.6 -> 1.3 ms (fp32);
-bf16 77 -> 48 us and 7.1 -> 3.3 ms. The benchmark's 64 requests (17 norms, fresh prompts, one engine taking turns with
+bf16 77 -> 26 us and 7.1 -> 1.8 ms. The benchmark's 64 requests (17 norms, fresh prompts, one engine taking turns with
 and without): 5.05-5.11 s against 5.15-5.19 s, 1.6-1.9 %.
 """
 from __future__ import annotations

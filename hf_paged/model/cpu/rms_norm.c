@@ -28,12 +28,11 @@ static inline float bf16_to_float(uint16_t bits) {
     return value;
 }
 
-static inline uint16_t float_to_bf16(float value) { /* round to nearest even; NaN stays NaN */
+static inline uint16_t float_to_bf16(float value) { /* round to nearest even; NaN stays NaN (branch-free) */
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
 }
 
 /* The sum of h[i]^2 over a row of n fp32 values, added in the order of ATen's vectorized sum over a contiguous last

@@ -105,6 +105,13 @@ def test_a_copy_taken_in_the_middle_of_a_forward_is_never_silently_wrong(monkeyp
     import copy
 
     monkeypatch.setenv("HF_PAGED_SMALL_LINEARS", "kernel")
+    for switch in ("HF_PAGED_FUSED_NORMS", "HF_PAGED_FUSED_ROTARY"):  # swapped in every step too, whatever the timing
+        monkeypatch.setenv(switch, "force")
+    from hf_paged.model.fused_norms import verified_lanes
+    from hf_paged.model.fused_rotary import verified
+
+    verified_lanes.cache_clear()
+    verified.cache_clear()
 
     from hf_paged.tiny import tiny_model
 
@@ -122,11 +129,14 @@ def test_a_copy_taken_in_the_middle_of_a_forward_is_never_silently_wrong(monkeyp
     twin.model.layers[0]._forward_hooks.clear()
     leftover = vars(twin.lm_head)["forward"]
     assert leftover.__self__ is twin.lm_head  # bound to the copy: its own weights
+    norm, rotary = twin.model.norm, next(iter(vars(twin.model.layers[0].self_attn)["_kernel_funcs"].values()))
+    assert vars(norm)["forward"].__self__ is norm and vars(rotary)["forward"].__self__ is rotary
     ids = torch.tensor([[5, 9, 30, 7, 11]])
     with torch.inference_mode():
         assert torch.equal(twin(ids).logits, model(ids).logits)  # the leftovers are off: nn.Linear's sums
     assert twin.config._attn_implementation == "sdpa" and not [k for k in vars(twin.config) if "hf_paged" in k]
     assert tokens(LLM(twin).generate([[5, 9, 30, 7, 11]], GREEDY, use_tqdm=False)) == expected
-    assert "forward" not in vars(twin.lm_head)  # dropped on first use
+    assert "forward" not in vars(twin.lm_head) and "forward" not in vars(norm)  # dropped on first use
+    assert "forward" not in vars(rotary)
     assert model.config._attn_implementation == "sdpa" and not [k for k in vars(model.config) if "hf_paged" in k]
     assert tokens(LLM(copy.deepcopy(model)).generate([[5, 9, 30, 7, 11]], GREEDY, use_tqdm=False)) == expected

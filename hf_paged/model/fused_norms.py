@@ -11,7 +11,7 @@ Which modules: those of a class whose `forward` has exactly the code of transfor
 (bytecode, constants, names), a 1-d `weight` and a float `variance_epsilon`, that carry no forward of their own
 (a hook, a wrapper). A class whose forward was swapped for a hub kernel (transformers' `kernelize`) has other code
 and keeps it. Each call re-checks its input: CPU, fp32 or bf16 with a weight of the same dtype, no autograd; anything
-else (and every thread but the one running the engine's forward: `switches.THIS_THREAD.norms`) gets the class's
+else (and every thread but the one running the engine's forward: `switches.THIS_THREAD.fused`) gets the class's
 forward. Before a width and dtype is used, the kernel must give that forward's output bit for bit on random rows
 (`matching_lanes`: which of two sum orders ATen's build follows) and be faster on 64 rows (`verified_lanes`).
 `HF_PAGED_FUSED_NORMS=0`: never built nor used; `=force`: used wherever it matches, untimed (tests).
@@ -155,7 +155,7 @@ def _seconds(call) -> float:
 def fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """The swapped-in forward: the native pass where it applies (see the module docstring), else the class's."""
     weight = self.weight
-    if (id(self) not in THIS_THREAD.norms or hidden_states.device.type != "cpu" or hidden_states.dtype not in DTYPES
+    if (id(self) not in THIS_THREAD.fused or hidden_states.device.type != "cpu" or hidden_states.dtype not in DTYPES
             or weight.dtype != hidden_states.dtype or weight.device.type != "cpu" or not weight.is_contiguous()
             or hidden_states.dim() == 0 or weight.shape[0] != hidden_states.shape[-1] or hidden_states.stride(-1) != 1
             or (torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad))):
@@ -177,22 +177,27 @@ class FusedNorms:
         self.forwards = [types.MethodType(fused_rms_norm_forward, m) for m in self.modules]
         self.ids = frozenset(id(m) for m in self.modules)
 
-    @contextmanager
     def active(self):
-        """Swap the forwards in for one forward pass of this thread; the class's forwards again after it, even on
-        error. A module that carries a forward of its own keeps it."""
-        if not self.modules:
-            yield
-            return
-        on = THIS_THREAD.norms
-        added = self.ids - on
-        on |= added
-        swapped = [(m, f) for m, f in zip(self.modules, self.forwards) if "forward" not in vars(m)]
-        for module, forward in swapped:
-            vars(module)["forward"] = forward
-        try:
-            yield
-        finally:
-            for module, _ in swapped:
-                vars(module).pop("forward", None)
-            on -= added
+        """Swap the forwards in for one forward pass of this thread (`swapped_forwards`)."""
+        return swapped_forwards(self.modules, self.forwards, self.ids)
+
+
+@contextmanager
+def swapped_forwards(modules: list, forwards: list, ids: frozenset):
+    """`forwards[i]` as `modules[i]`'s forward, on for this thread only (`THIS_THREAD.fused`), for one forward pass;
+    the class's forwards again after it, even on error. A module that carries a forward of its own keeps it."""
+    if not modules:
+        yield
+        return
+    on = THIS_THREAD.fused
+    added = ids - on
+    on |= added
+    swapped = [(m, f) for m, f in zip(modules, forwards) if "forward" not in vars(m)]
+    for module, forward in swapped:
+        vars(module)["forward"] = forward
+    try:
+        yield
+    finally:
+        for module, _ in swapped:
+            vars(module).pop("forward", None)
+        on -= added

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import fused_norms, greedy_head, packed_linear
+from . import fused_norms, fused_rotary, greedy_head, packed_linear
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -233,18 +233,21 @@ def _small_batch_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
 
 OUR_FORWARDS = (_measured_linear, _kernel_linear, _small_batch_linear, packed_linear._packed_linear,
                 packed_linear._forced_packed_linear, greedy_head.greedy_head_forward,
-                fused_norms.fused_rms_norm_forward)
+                fused_norms.fused_rms_norm_forward, fused_rotary.fused_rotary_forward)
 
 
 def drop_leftover_forwards(model: torch.nn.Module) -> int:
-    """Remove our swapped-in linear (and norm) forwards from a model that nobody is running (a copy taken in the middle of an
-    engine's forward carries them); returns how many. Called when a model gets its forward lock."""
+    """Remove our swapped-in forwards (linears, norms, the rotary wrappers in attention modules' `_kernel_funcs`) from
+    a model that nobody is running (a copy taken in the middle of an engine's forward carries them); returns how
+    many. Called when a model gets its forward lock."""
     dropped = 0
     for module in model.modules():
-        forward = vars(module).get("forward")
-        if isinstance(forward, types.MethodType) and forward.__func__ in OUR_FORWARDS:
-            del module.forward
-            dropped += 1
+        wrappers = vars(module).get("_kernel_funcs")
+        for holder in [module, *(wrappers.values() if isinstance(wrappers, dict) else ())]:
+            forward = vars(holder).get("forward")
+            if isinstance(forward, types.MethodType) and forward.__func__ in OUR_FORWARDS:
+                del vars(holder)["forward"]
+                dropped += 1
     return dropped
 
 

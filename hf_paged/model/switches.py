@@ -33,7 +33,7 @@ class _ThisThread(threading.local):
     def __init__(self):
         self.attention: dict = {}  # id(config) -> (config, attention implementation name) while switched
         self.linears: set = set()  # ids of linear modules whose few-row forward is on
-        self.norms: set = set()  # ids of RMSNorm modules whose fused forward is on (fused_norms)
+        self.fused: set = set()  # ids of modules whose fused forward is on (fused_norms, fused_rotary)
         self.greedy = None  # the greedy_head.GreedyStep of the forward this thread runs, while one asks for picks
 
 

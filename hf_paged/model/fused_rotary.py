@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from .fused_norms import _seconds, swapped_forwards
+from .fused_norms import _same_code, _seconds, swapped_forwards
 from .switches import THIS_THREAD
 
 SOURCE = Path(__file__).with_name("cpu") / "rotary.c"
@@ -75,10 +75,6 @@ def wrapped_function(wrapper) -> types.FunctionType | None:
         return None
     function = forward.__closure__[code.co_freevars.index("func")].cell_contents
     return function if isinstance(function, types.FunctionType) else None
-
-
-def _same_code(a, b) -> bool:
-    return (a.co_code, a.co_consts, a.co_names, a.co_varnames) == (b.co_code, b.co_consts, b.co_names, b.co_varnames)
 
 
 @functools.lru_cache(maxsize=1)

@@ -65,6 +65,8 @@ def test_measure_on_a_tiny_model(restore):
     assert paged["tokens"] == padded["tokens"]
     assert "small_linears" in paged and "small_linears" not in padded
     assert set(paged["small_linears"]) == {"status", "choices"}
+    assert set(paged["fused"]) == {"norms", "norms_status", "rotary", "rotary_status"} and "fused" not in padded
+    assert isinstance(paged["fused"]["norms_status"], str) and 0 <= paged["fused"]["norms"] <= 3  # 1 layer x 2 + 1
 
 
 def test_the_warm_up_has_the_timed_calls_size(restore, monkeypatch):

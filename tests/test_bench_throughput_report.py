@@ -46,3 +46,13 @@ def test_rounds_that_disagree_on_tokens_are_printed(capsys):
                              {"system": "hf_paged", "requests": 64, "round_rows_differ": [0, 3]}])
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "hf_paged 64 requests" in out and "round by round: 0 3" in out
+
+
+def test_fused_passes_are_printed(capsys):
+    from hf_paged.bench.throughput_report import print_fused
+
+    print_fused([{"requests": 64, "fused": {"norms": 17, "norms_status": "loaded", "rotary": 8,
+                                            "rotary_status": "loaded"}}, {"requests": 64}])
+    out = capsys.readouterr().out
+    assert "RMSNorm on 17 modules (loaded), rotary embedding on 8 attention modules (loaded)" in out
+    assert out.count("fused passes") == 1

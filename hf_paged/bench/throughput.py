@@ -172,6 +172,17 @@ def generate_batch_runner(model, sized: bool = False):
     return run
 
 
+def fused_passes(model) -> dict:
+    """Which of the model's modules an engine gives the native RMSNorm / rotary passes (bit-exact and timed faster
+    here; the verdicts are cached per process, so this is what the timed engine used), and the passes' load status."""
+    from hf_paged.model import FusedNorms, FusedRotary
+    from hf_paged.model.fused_norms import fused_norms_status
+    from hf_paged.model.fused_rotary import fused_rotary_status
+
+    return {"norms": len(FusedNorms(model).modules), "norms_status": fused_norms_status(),
+            "rotary": len(FusedRotary(model).modules), "rotary_status": fused_rotary_status()}
+
+
 def worker(args, setup: dict) -> None:
     threads = set_threads(args.threads)
     if args.worker == "matmul":
@@ -237,6 +248,7 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
         from hf_paged.model.small_linear import small_linear_choices, small_linear_status
 
         extra["small_linears"] = {"status": small_linear_status(), "choices": small_linear_choices()}
+        extra["fused"] = fused_passes(model)
         extra["warmups"], extra["open_trials"] = len(warmups), open_trials()
     return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "threads": threads, **extra,

@@ -14,6 +14,15 @@ def _linear_paths(result: dict) -> dict[str, str]:
             for c in result.get("small_linears", {}).get("choices", [])}
 
 
+def print_fused(results: list[dict]) -> None:
+    """The native RMSNorm and rotary passes each hf_paged worker's engine took (fused_norms / fused_rotary)."""
+    for r in results:
+        if fused := r.get("fused"):
+            print(f"\nfused passes in hf_paged's worker, {r['requests']} requests: RMSNorm on {fused['norms']} modules "
+                  f"({fused['norms_status']}), rotary embedding on {fused['rotary']} attention modules "
+                  f"({fused['rotary_status']}); each bit for bit transformers' and timed faster here")
+
+
 def print_small_linears(results: list[dict]) -> None:
     """The few-row linear products hf_paged's workers measured and chose (model/linear_choice.py), per weight shape
     and row bucket: each candidate's median time in us over its timed calls inside the steps (a candidate dropped
@@ -142,4 +151,5 @@ def print_report(args, report: dict, rows: list, path) -> None:
                 print(f"  hf_paged x hf_padded, CPU s {r['requests']:>3} requests: "
                       + " ".join(f"{v:.2f}" for v in cpu) + f"  (median {statistics.median(cpu):.2f})")
         print_round_differences(results)
+    print_fused(results)
     print_small_linears(results)

@@ -17,6 +17,8 @@
 
 #define PARALLEL_ELEMENTS 65536
 
+/* The bf16 helpers are rms_norm.c's: each source is built (and its build cached) alone, with no shared header. */
+
 static inline float bf16_to_float(uint16_t bits) {
     const uint32_t wide = (uint32_t)bits << 16;
     float value;

@@ -48,7 +48,7 @@ class RmsNormKernel:
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self.f32, self.bf16 = library.rms_norm_f32, library.rms_norm_bf16
         self.f32.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, ctypes.c_int]
-        self.bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, ctypes.c_int, ptr]
+        self.bf16.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, ctypes.c_int]
         self.f32.restype = self.bf16.restype = None
 
     @torch.compiler.disable  # native code through raw pointers: never traced
@@ -61,9 +61,8 @@ class RmsNormKernel:
         if hidden.dtype == torch.float32:
             self.f32(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], n, eps, lanes)
         else:
-            scratch = torch.empty(torch.get_num_threads() * n, dtype=torch.float32)
             self.bf16(rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], n, eps,
-                      lanes, scratch.data_ptr())
+                      lanes)
         return out
 
 

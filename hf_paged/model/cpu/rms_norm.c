@@ -17,6 +17,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PARALLEL_ELEMENTS 65536 /* fewer: one thread (a decode step's rows) */
@@ -97,24 +98,27 @@ void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, 
 }
 
 void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows,
-                   int64_t n, float eps, int lanes, float *scratch) {
-    /* scratch: [threads, n] fp32, one row per thread (the widened row) */
-#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; ++r) {
-#ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        float *restrict h = scratch + (int64_t)omp_get_thread_num() * n;
-#else
-        float *restrict h = scratch;
-#endif
-        const uint16_t *restrict row = x + r * x_stride;
-        uint16_t *restrict o = out + r * n;
-        for (int64_t i = 0; i < n; ++i) h[i] = bf16_to_float(row[i]);
-        const float var = sum_squares(h, n, lanes) / (float)n;
-        const float inv = 1.f / sqrtf(var + eps);
-        for (int64_t i = 0; i < n; ++i) {
-            const float normed = bf16_to_float(float_to_bf16(h[i] * inv)); /* .to(input_dtype) */
-            o[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+                   int64_t n, float eps, int lanes) {
+    /* each thread widens its rows into a buffer of its own, sized here: nothing depends on the team's size */
+#pragma omp parallel if (rows * n >= PARALLEL_ELEMENTS)
+    {
+        float *h = malloc((size_t)(n > 0 ? n : 1) * sizeof *h);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const uint16_t *restrict row = x + r * x_stride;
+            uint16_t *restrict o = out + r * n;
+            if (h == NULL) { /* cannot happen for sane sizes: a NaN row rather than a crash or a wrong value */
+                for (int64_t i = 0; i < n; ++i) o[i] = 0x7fc0;
+                continue;
+            }
+            for (int64_t i = 0; i < n; ++i) h[i] = bf16_to_float(row[i]);
+            const float var = sum_squares(h, n, lanes) / (float)n;
+            const float inv = 1.f / sqrtf(var + eps);
+            for (int64_t i = 0; i < n; ++i) {
+                const float normed = bf16_to_float(float_to_bf16(h[i] * inv)); /* .to(input_dtype) */
+                o[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+            }
         }
+        free(h);
     }
 }

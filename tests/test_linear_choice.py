@@ -330,7 +330,7 @@ def test_a_real_trial_picks_one_of_its_candidates_and_keeps_results():
     (entry,) = small_linear.small_linear_choices()
     (choice,) = TABLE.choices.values()
     assert entry["path"] == choice.path and choice.path in choice.seconds
-    assert set(entry["us"]) == {"kernel", "w_xt", "f_linear"} and entry["probe_ms"] > 0 and not TABLE.trials
+    assert set(entry["us"]) == {"kernel", "w_xt", "wt_copy", "f_linear"} and entry["probe_ms"] > 0 and not TABLE.trials
 
 
 def test_a_call_that_chose_f_linear_runs_it_on_the_input_as_given(monkeypatch):

@@ -28,8 +28,9 @@ PRODUCTS = {  # fixture param -> (environment, how small_linear_status() starts)
     "kernel": ({"HF_PAGED_SMALL_LINEARS": "kernel"}, "native kernel (forced"),
     "w_xt": ({"HF_PAGED_SMALL_LINEARS": "w_xt"}, "W @ x^T (forced"),
     "kernel_missing": ({"HF_PAGED_SMALL_LINEARS": "kernel", "HF_PAGED_SMALL_GEMM": "0"}, "W @ x^T (disabled"),
-    "measured": ({}, "native kernel, W @ x^T or F.linear, the fastest measured"),
-    "measured_no_kernel": ({"HF_PAGED_SMALL_GEMM": "0"}, "W @ x^T or F.linear, the fastest measured"),
+    "measured": ({}, "native kernel, W @ x^T, x @ (a transposed copy of W) or F.linear, the fastest measured"),
+    "measured_no_kernel": ({"HF_PAGED_SMALL_GEMM": "0"},
+                           "W @ x^T, x @ (a transposed copy of W) or F.linear, the fastest measured"),
 }
 
 
@@ -52,7 +53,7 @@ def test_the_kernel_builds_here(monkeypatch):
     monkeypatch.delenv("HF_PAGED_SMALL_GEMM", raising=False)
     load_small_gemm.cache_clear()
     assert load_small_gemm() is not None
-    assert small_linear.small_linear_status().startswith("native kernel, W @ x^T or F.linear")
+    assert small_linear.small_linear_status().startswith("native kernel, W @ x^T, x @ (a transposed copy of W) or F.linear")
 
 
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])

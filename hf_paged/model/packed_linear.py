@@ -1,4 +1,5 @@
-"""bf16 CPU linears on oneDNN's pre-packed weights, where this machine runs them faster in the model's own steps.
+"""bf16 CPU linears on oneDNN's pre-packed weights, where this machine runs them faster in the model's own steps;
+the copies of weights other products keep (fp32 transposed copies, an LM head's screens), checked alike.
 
 torch's bf16 `F.linear` on a CPU runs oneDNN, which reorders the weight into its blocked (AMX / AVX-512) layout on
 every call: for the few rows of a decode step that reorder is a second pass over the weight. A copy packed once
@@ -23,6 +24,9 @@ Invariants:
   DLPack alias) and change any of them drop every copy of the model. Not caught: such a write that changes none of
   the sampled entries; `LLM.reset_prefix_cache()` drops the copies as well. Inference tensors (no version counter)
   are never packed.
+- fp32 linears may hold a transposed copy (`copy_for(..., TRANSPOSED)`: W^T contiguous, `transposed_copy`), one of
+  `small_linear`'s measured candidates; it lives and is checked like the packed copies, in its own store (an fp32
+  head may hold one beside its screens).
 - Memory: a copy is a second copy of its weight (oneDNN pads small ones: counted as packed). All copies in the
   process together stay under BUDGET_SHARE of the memory available when the first was made; beyond that, F.linear.
   `HF_PAGED_PACKED_LINEARS=0` turns them off.
@@ -51,6 +55,7 @@ BUDGET_SHARE = 0.25  # of MemAvailable when the first copy is made: the most all
 SWITCH = "HF_PAGED_PACKED_LINEARS"
 BATCH_HINT = 64  # rows oneDNN lays the packed copy out for (1..64-row products measured no slower than with none)
 DTYPES = (torch.bfloat16,)
+TRANSPOSED = "transposed"  # copy_for's kind for an fp32 weight's transposed copy (small_linear's "wt_copy" product)
 
 
 def mode() -> str:
@@ -85,9 +90,13 @@ class PackedCopy:
         """`cast`: pack `weight` cast to this dtype (an fp32 LM head's bf16 screen, `greedy_head`); the copy then also
         knows the largest Euclidean norm of the weight's rows (`row_norm_max`, computed in float64 from the weight
         itself, not the cast). `cast=torch.int8`: `packed` is the head's int8 copy instead (`int8_head.Int8Head`,
-        for the int8 screen), `row_norm_max` the same (from the norms it computed)."""
+        for the int8 screen), `row_norm_max` the same (from the norms it computed). `cast=TRANSPOSED`: `packed` is
+        the fp32 weight transposed, contiguous ([in, out])."""
         with torch.no_grad():
-            if cast is torch.int8:
+            if cast is TRANSPOSED:
+                self.packed = weight.detach().t().contiguous()
+                self.row_norm_max = None
+            elif cast is torch.int8:
                 self.packed = int8_head.quantize(weight.detach())
                 self.row_norm_max = self.packed.w_norm_max
             else:
@@ -130,6 +139,8 @@ def _packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:
     """The memory the packed copy takes: oneDNN pads small weights (a [1, 4096] bf16 weight's copy takes 256 KiB)."""
     if isinstance(packed, int8_head.Int8Head):
         return packed.nbytes
+    if packed.dtype is torch.float32:  # a transposed copy: a plain tensor
+        return packed.untyped_storage().nbytes()
     try:
         return int(torch.ops.mkldnn._nbytes(packed))
     except (AttributeError, RuntimeError):
@@ -149,16 +160,20 @@ def _version(weight: torch.Tensor) -> int:
 
 _COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, PackedCopy]" = weakref.WeakKeyDictionary()
 _INT8: "weakref.WeakKeyDictionary[torch.nn.Module, PackedCopy]" = weakref.WeakKeyDictionary()  # int8 head copies
+_TRANSPOSED: "weakref.WeakKeyDictionary[torch.nn.Module, PackedCopy]" = weakref.WeakKeyDictionary()  # fp32 W^T
 
 
 def _store(cast: torch.dtype | None) -> "weakref.WeakKeyDictionary[torch.nn.Module, PackedCopy]":
-    """Where a module's copy of this kind lives: an fp32 head may hold a bf16 and an int8 copy at once (a trial runs
-    both screens in turn); any other module holds one copy."""
-    return _INT8 if cast is torch.int8 else _COPIES
+    """Where a module's copy of this kind lives: an fp32 head may hold a bf16, an int8 and a transposed copy at once
+    (trials run them in turn); any other module holds one copy of each kind it takes."""
+    return _INT8 if cast is torch.int8 else _TRANSPOSED if cast is TRANSPOSED else _COPIES
+
+
+STORES = (_COPIES, _INT8, _TRANSPOSED)
 
 
 def _all_copies() -> list[PackedCopy]:
-    return [*_COPIES.values(), *_INT8.values()]
+    return [c for store in STORES for c in store.values()]
 
 
 _LOCK = threading.Lock()
@@ -210,7 +225,12 @@ def _warn_once(message: str) -> None:
         logger.warning(message)
 
 
-def forget(modules, casts: tuple = (None, torch.int8)) -> int:
+def copies_of(cast) -> list[tuple[torch.nn.Module, PackedCopy]]:
+    """(module, copy) for every live copy of this kind (`copy_for`'s `cast`)."""
+    return list(_store(cast).items())
+
+
+def forget(modules, casts: tuple = (None, torch.int8, TRANSPOSED)) -> int:
     """Drop the packed copies of `modules` (repacked on their next use); returns how many there were. `casts`: only
     the copies of these kinds (`copy_for`'s `cast`; None, the default kind, covers bf16 screens too)."""
     stores = {id(s): s for s in map(_store, casts)}.values()
@@ -224,9 +244,11 @@ def weight_packable(weight: torch.Tensor, cast: torch.dtype | None = None) -> bo
     a bf16, CPU, 2-D, contiguous `Parameter` held as such (not one recomputed on every call, as pruning or a
     parametrization makes it: that would repack on every call) and not an inference tensor (made under
     `torch.inference_mode()`: no version counter, so an in-place edit would go unseen unless it hit a sample).
-    With `cast` (a bf16 screen of an fp32 weight, an int8 one of an fp32 or bf16 weight): such a weight, otherwise the
-    same."""
-    if cast is None:
+    With `cast` (a bf16 screen of an fp32 weight, an int8 one of an fp32 or bf16 weight, TRANSPOSED: an fp32 one's
+    transposed copy): such a weight, otherwise the same."""
+    if cast is TRANSPOSED:
+        dtype_ok = weight.dtype is torch.float32
+    elif cast is None:
         dtype_ok = weight.dtype in DTYPES
     elif cast is torch.int8:
         dtype_ok = weight.dtype is torch.float32 or weight.dtype in DTYPES
@@ -334,7 +356,7 @@ class PackedLinears:
         """True when every packed copy's sample still holds its packed values; else drops all of this model's
         copies (they are packed again on use) and returns False. A copy whose weight now has other storage is
         dropped alone (it would be packed again on its next call anyway)."""
-        live = [(m, c) for m in self.modules for store in (_COPIES, _INT8) if (c := store.get(m)) is not None]
+        live = [(m, c) for m in self.modules for store in STORES if (c := store.get(m)) is not None]
         moved = [m for m, c in live if not c.same_storage(m.weight)]
         if moved:
             forget(moved)

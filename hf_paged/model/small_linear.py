@@ -9,6 +9,13 @@ unevenly. Candidates for fp32 products of 1 to KERNEL_MAX_ROWS (128) rows:
   broadcasts each weight element against 16 or 32 rows at once. On a 2-vCPU EPYC it multiplies the LM head [32000, 512] by one row in
   1.9-2.7 ms against MKL's 5.5-7.5 ms; on an AMX Xeon MKL was 1.7x faster than it. `HF_PAGED_SMALL_GEMM=0`: not built;
 - W @ x^T, which MKL streams faster than x @ W^T for few rows on some machines and slower on others;
+- x @ (a transposed copy of W): MKL's plain product, no transposed operand to repack on every call. On the AMX Xeon
+  VM of issue 27, one thread, 64 rows, the 8 layers' weights of the benchmark model as a decode step meets them
+  (cold): 18.9 ms against the kernel's 23.2 and F.linear's 26.6; in the engine's steps, taking turns step by step,
+  42.1 ms a step against 46.6 (kernel) and 50.4 (F.linear); at two threads a tie. The copy is a second copy of the
+  weight, made and checked like the bf16 packed copies (`packed_linear`: memory budget, `HF_PAGED_PACKED_LINEARS=0`
+  turns it off), made only while its candidate is measured or chosen, and dropped once no row bucket of its shape
+  chose it;
 - F.linear itself.
 
 Nothing about speed is assumed: by default (`HF_PAGED_SMALL_LINEARS` unset, `1` or `auto`) the first calls of each
@@ -41,7 +48,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import fused_norms, fused_rotary, greedy_head, packed_linear
+from . import fused_norms, fused_rotary, greedy_head, packed_linear, transposed_copy
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -109,7 +116,8 @@ def small_linear_status() -> str:
         return ("native kernel" if loaded else f"W @ x^T ({reason})") + " (forced: HF_PAGED_SMALL_LINEARS=kernel)"
     if chosen == "w_xt":
         return "W @ x^T (forced: HF_PAGED_SMALL_LINEARS=w_xt)"
-    head = ("native kernel, W @ x^T or F.linear" if loaded else "W @ x^T or F.linear") + \
+    copies = ", x @ (a transposed copy of W)" if packed_linear.mode() != "off" else ""
+    head = (f"native kernel, W @ x^T{copies} or F.linear" if loaded else f"W @ x^T{copies} or F.linear") + \
         ", the fastest measured per weight shape and row count" + ("" if loaded else f" (no native kernel: {reason})") \
         + ("; bf16: oneDNN's packed copy or F.linear, measured alike" if packed_linear.supported() else "") \
         + f"; greedy steps' LM head: {greedy_head.status()}"
@@ -164,18 +172,36 @@ def _identity() -> str:
 
 
 def candidates(kernel: SmallGemm | None) -> dict:
-    """The products a measured call chooses from, in tie-break order: name -> f(rows, weight, bias) -> [m, n]."""
+    """The products a measured call chooses from, in tie-break order: name -> f(rows, weight, bias) -> [m, n]
+    (the transposed copy's: a marker)."""
     products = {"kernel": kernel} if kernel is not None else {}
-    products.update(w_xt=_w_xt, f_linear=torch.nn.functional.linear)
+    products.update(w_xt=_w_xt)
+    if packed_linear.mode() != "off":
+        products[transposed_copy.NAME] = transposed_copy.MARKER
+    products.update(f_linear=torch.nn.functional.linear)
     return products
 
 
-def _measured(key: tuple, kernel: SmallGemm | None, rows: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    """A call of `key` while it has no choice: the candidate its trial names, timed (linear_choice.Trial)."""
+def _measured(module: torch.nn.Linear, key: tuple, kernel: SmallGemm | None, rows: torch.Tensor,
+              weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A call of `key` while it has no choice: the candidate its trial names, timed (linear_choice.Trial). The
+    transposed copy is made before the timing; a module that cannot have one records it as unavailable (infinitely
+    slow: dropped). Once a choice is made, copies no bucket of this shape chose are dropped."""
     key = Key(tuple(key[0]), *key[1:])
     name, product = TABLE.pick(key, candidates(kernel), identity=_identity())
-    return TABLE.timed(key, name, lambda: product(rows, weight, bias), identity=_identity())[0]
+    if product is transposed_copy.MARKER:
+        copy = transposed_copy.copy_of(module, weight)
+        if copy is None:
+            if name is not None and TABLE.record(key, name, float("inf"), identity=_identity()):
+                transposed_copy.drop_unchosen(key.shape)
+            return torch.nn.functional.linear(rows, weight, bias)
+        run = lambda: transposed_copy.multiply(rows, copy, bias)  # noqa: E731
+    else:
+        run = lambda: product(rows, weight, bias)  # noqa: E731
+    out, decided = TABLE.timed(key, name, run, identity=_identity())
+    if decided:
+        transposed_copy.drop_unchosen(key.shape)
+    return out
 
 
 # The forwards are plain functions bound to their module (types.MethodType), not closures over it: a copy of the
@@ -204,7 +230,12 @@ def _measured_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor
         return torch.nn.functional.linear(input, weight, bias)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = product(rows, weight, bias) if product is not None else _measured(key, kernel, rows, weight, bias)
+    if product is None:
+        out = _measured(self, key, kernel, rows, weight, bias)
+    elif product is transposed_copy.MARKER:
+        out = transposed_copy.product(self, rows, weight, bias)
+    else:
+        out = product(rows, weight, bias)
     return out if len(shape) == 2 else out.view(*shape[:-1], weight.shape[0])
 
 
@@ -283,7 +314,9 @@ class SmallBatchLinears:
         self.head_function = function if self.head is None or self.head.weight.dtype == torch.float32 else \
             packed_linear.forward_for(packed_linear.mode())
         fp32_head = [self.greedy_head] if self.greedy_head is not None and self.greedy_head not in packable else []
-        self.packed = packed_linear.PackedLinears(packable + fp32_head)
+        # fp32 linears measured here may take transposed copies (transposed_copy): checked with the others
+        copying = fp32 if self.mode == "auto" and packed_linear.mode() != "off" else []
+        self.packed = packed_linear.PackedLinears(packable + [m for m in fp32_head if m not in copying] + copying)
         self.plain_steps: set = set()  # (rows, head rows, threads) of steps whose every product is F.linear
 
     def plain(self, rows: int, head_rows: int) -> bool:

@@ -188,6 +188,12 @@ def _budget_bytes() -> int:
     return _budget[0]
 
 
+def current_copy(module: torch.nn.Module, weight: torch.Tensor, cast=None) -> PackedCopy | None:
+    """`module`'s copy of this kind if it matches `weight` as it is now, else None (makes nothing)."""
+    copy = _store(cast).get(module)
+    return copy if copy is not None and copy.matches(weight) else None
+
+
 def copy_for(module: torch.nn.Module, weight: torch.Tensor, cast: torch.dtype | None = None) -> PackedCopy | None:
     """`module`'s packed copy of `weight` as it is now (packed again if it changed), or None: over the budget, or a
     weight the packed product does not take (`weight_packable`). `cast`: a copy in that dtype of an fp32 weight

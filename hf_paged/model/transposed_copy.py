@@ -48,7 +48,9 @@ def multiply(rows: torch.Tensor, copy: packed_linear.PackedCopy, bias: torch.Ten
 def product(module: torch.nn.Module, rows: torch.Tensor, weight: torch.Tensor,
             bias: torch.Tensor | None) -> torch.Tensor:
     """The chosen product for one call; F.linear where the copy cannot be had."""
-    copy = copy_of(module, weight)
+    copy = packed_linear.current_copy(module, weight, packed_linear.TRANSPOSED)  # the usual case: one lookup
+    if copy is None:
+        copy = copy_of(module, weight)
     if copy is None:
         return torch.nn.functional.linear(rows, weight, bias)
     return multiply(rows, copy, bias)

@@ -154,3 +154,20 @@ def test_an_engine_whose_linears_take_it_gives_hfs_tokens(monkeypatch):
         with torch.inference_mode():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+
+
+def test_transposed_copies_leave_half_the_budget_to_the_other_copies(monkeypatch):
+    """A decode step meets its layers before its LM head: their copies must not take the head screen's room."""
+    import weakref
+
+    stores = [weakref.WeakKeyDictionary() for _ in range(3)]  # this test's copies only
+    for name, store in zip(("_COPIES", "_INT8", "_TRANSPOSED"), stores):
+        monkeypatch.setattr(packed_linear, name, store)
+    monkeypatch.setattr(packed_linear, "STORES", tuple(stores))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(64, 96)
+    size = net.weight.numel() * 4
+    monkeypatch.setattr(packed_linear, "_budget", [2 * size - 1])  # the whole budget takes it, half of it does not
+    assert transposed_copy.copy_of(net, net.weight) is None
+    monkeypatch.setattr(packed_linear, "_budget", [2 * size])
+    assert transposed_copy.copy_of(net, net.weight) is not None

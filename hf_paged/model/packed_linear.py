@@ -28,7 +28,8 @@ Invariants:
   `small_linear`'s measured candidates; it lives and is checked like the packed copies, in its own store (an fp32
   head may hold one beside its screens).
 - Memory: a copy is a second copy of its weight (oneDNN pads small ones: counted as packed). All copies in the
-  process together stay under BUDGET_SHARE of the memory available when the first was made; beyond that, F.linear.
+  process together stay under BUDGET_SHARE of the memory available when the first was made, the transposed ones
+  under TRANSPOSED_SHARE of that; beyond that, F.linear.
   `HF_PAGED_PACKED_LINEARS=0` turns them off.
 - A copy lives as long as its module (`_COPIES` holds modules weakly) and is shared by every engine of the model
   (`model.generate(...)` builds an engine per call: no repacking per call). It holds no view of its weight, so a
@@ -52,6 +53,8 @@ from .switches import THIS_THREAD
 
 PIECES, PIECE = 8, 4  # sample runs per packed weight and entries per run
 BUDGET_SHARE = 0.25  # of MemAvailable when the first copy is made: the most all copies may take
+TRANSPOSED_SHARE = 0.5  # of that budget: the most fp32 transposed copies may take (the rest stays for the LM head's
+# screens and bf16 packed copies, which a decode step's earlier layers would otherwise have used up)
 SWITCH = "HF_PAGED_PACKED_LINEARS"
 BATCH_HINT = 64  # rows oneDNN lays the packed copy out for (1..64-row products measured no slower than with none)
 DTYPES = (torch.bfloat16,)
@@ -209,6 +212,9 @@ def copy_for(module: torch.nn.Module, weight: torch.Tensor, cast: torch.dtype | 
             store.pop(module, None)  # another thread (`forget`, another engine) may have dropped it meanwhile
         taken = sum(c.nbytes for c in _all_copies())
         if taken + weight.numel() * weight.element_size() > _budget_bytes():  # at least the weight's own size
+            return None
+        if cast is TRANSPOSED and (sum(c.nbytes for c in _TRANSPOSED.values()) + weight.numel() * 4
+                                   > _budget_bytes() * TRANSPOSED_SHARE):
             return None
         try:
             copy = PackedCopy(weight, cast)

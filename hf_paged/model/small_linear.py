@@ -1,5 +1,6 @@
 """Linear layers for decode-sized CPU steps: whichever of a native kernel (`cpu/small_gemm.c`), y = (W x^T)^T,
-x @ (a transposed copy of W) and F.linear measured fastest on this machine for the weight's shape and the call's row count.
+x @ (a transposed copy of W) and F.linear measured fastest on this machine for the weight's shape and the call's row
+count.
 
 A decode step multiplies a handful of rows by every weight matrix of the model, and BLAS handles such skinny products
 unevenly. Candidates for fp32 products of 1 to KERNEL_MAX_ROWS (128) rows:

@@ -8,7 +8,8 @@ unevenly. Candidates for fp32 products of 1 to KERNEL_MAX_ROWS (128) rows:
 - the native kernel `small_gemm_f32` (with a C compiler; built on first use, like the CPU attention kernel:
   hf_paged/native.py). Up to 8 rows it takes dot products straight from the rows, four at a time; from 9 rows on it
   broadcasts each weight element against 16 or 32 rows at once. On a 2-vCPU EPYC it multiplies the LM head
-  [32000, 512] by one row in 1.9-2.7 ms against MKL's 5.5-7.5 ms; on an AMX Xeon MKL was 1.7x faster than it. `HF_PAGED_SMALL_GEMM=0`: not built;
+  [32000, 512] by one row in 1.9-2.7 ms against MKL's 5.5-7.5 ms; on an AMX Xeon MKL was 1.7x faster than it.
+  `HF_PAGED_SMALL_GEMM=0`: not built;
 - W @ x^T, which MKL streams faster than x @ W^T for few rows on some machines and slower on others;
 - x @ (a transposed copy of W): MKL's plain product, no transposed operand to repack on every call. On the AMX Xeon
   VM of issue 27, one thread, 64 rows, the 8 layers' weights of the benchmark model as a decode step meets them

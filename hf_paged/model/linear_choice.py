@@ -2,8 +2,8 @@
 
 `small_linear` has up to four ways to compute y = x W^T (+ b) for a handful of rows x: the native kernel, W @ x^T,
 x @ a transposed copy of W (`transposed_copy`) and F.linear. Which is fastest depends on the CPU (an AMX Xeon's MKL
-beat the kernel 1.7x; on an EPYC the kernel wins 2x on the LM head), on the weight's shape, on the row count and on what the cache holds when the call comes. So
-nothing is assumed: the first calls of each `Key` (weight shape, dtype, row bucket, torch threads, whether the kernel
+beat the kernel 1.7x; on an EPYC the kernel wins 2x on the LM head), on the weight's shape, on the row count and on
+what the cache holds when the call comes. So nothing is assumed: the first calls of each `Key` (weight shape, dtype, row bucket, torch threads, whether the kernel
 loaded) run and time the candidates in turn on the model's own weights in its own forwards (`Trial`), and the fastest
 is kept in a process-wide table (`TABLE`) that later calls read with one dict lookup.
 

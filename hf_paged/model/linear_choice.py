@@ -1,11 +1,12 @@
 """Which product a few-row linear runs: measured on this machine, for the model's own weights, on first use.
 
-`small_linear` has up to four ways to compute y = x W^T (+ b) for a handful of rows x: the native kernel, W @ x^T,
-x @ a transposed copy of W (`transposed_copy`) and F.linear. Which is fastest depends on the CPU (an AMX Xeon's MKL
-beat the kernel 1.7x; on an EPYC the kernel wins 2x on the LM head), on the weight's shape, on the row count and on
-what the cache holds when the call comes. So nothing is assumed: the first calls of each `Key` (weight shape, dtype, row bucket, torch threads, whether the kernel
-loaded) run and time the candidates in turn on the model's own weights in its own forwards (`Trial`), and the fastest
-is kept in a process-wide table (`TABLE`) that later calls read with one dict lookup.
+`small_linear` has up to four ways to compute y = x W^T (+ b) for a handful of rows x: the native kernel, W @ x^T, x @
+a transposed copy of W (`transposed_copy`) and F.linear. Which is fastest depends on the CPU (an AMX Xeon's MKL beat
+the kernel 1.7x; on an EPYC the kernel wins 2x on the LM head), on the weight's shape, on the row count and on what
+the cache holds when the call comes. So nothing is assumed: the first calls of each `Key` (weight shape, dtype, row
+bucket, torch threads, whether the kernel loaded) run and time the candidates in turn on the model's own weights in
+its own forwards (`Trial`), and the fastest is kept in a process-wide table (`TABLE`) that later calls read with one
+dict lookup.
 
 Invariants:
 - A key is measured at most once per process (under `TABLE.lock`), unless `TABLE.clear()` is called. Measuring never

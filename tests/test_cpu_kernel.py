@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_paged import native
-from hf_paged.attention import LayerExtras, cpu_kernel, cpu_kernel_status, paged_attention
+from hf_paged.attention import LayerExtras, cpu_kernel, cpu_kernel_status, decode_choice, paged_attention
 from hf_paged.attention.cpu_kernel import load_cpu_kernel
 
 from test_attention import make_case, reference
@@ -84,7 +84,7 @@ def test_a_damaged_cached_cpu_kernel_is_rebuilt_not_loaded(tmp_path, monkeypatch
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
 @pytest.mark.parametrize("head_dim, heads, kv_heads, window", [
     (64, 8, 2, None), (80, 8, 2, 37), (128, 8, 1, None), (96, 12, 2, None), (256, 7, 1, 50), (40, 6, 3, None)])
-def test_native_cpu_decode_kernel_reads_bf16_pages(head_dim, heads, kv_heads, window):
+def test_native_cpu_decode_kernel_reads_bf16_pages(head_dim, heads, kv_heads, window, monkeypatch):
     """bf16 pages (a bf16 model's cache): the kernel widens each element as it reads it and sums in fp32, so its
     output is the float64 reference on the same bf16 values up to the output's bf16 rounding; "auto" takes it. Head
     dims that are a multiple of 16 take the vector path (the specialized 64 and 128, generic ones, tails of heads
@@ -96,8 +96,11 @@ def test_native_cpu_decode_kernel_reads_bf16_pages(head_dim, heads, kv_heads, wi
     ref = reference(query, keys, values, [1] * len(seqs), head_dim ** -0.5, window, None)
     assert cpu_kernel.usable(query, kc)
     direct = load_cpu_kernel()(query, kc, vc, tables.long(), ctx.long(), head_dim ** -0.5, window, None)
+    monkeypatch.setenv(decode_choice.SWITCH, "kernel")  # the kernel's own default path, not a timed trial's pick
+    decode_choice.clear()
     auto = paged_attention(query, kc, vc, cu, ctx, tables, scale=head_dim ** -0.5, sliding_window=window,
                            backend="auto")
     assert direct.dtype == torch.bfloat16
     torch.testing.assert_close(direct.double(), ref, atol=1e-2, rtol=1e-2)
+    decode_choice.clear()  # the forced choice stays with this test
     assert torch.equal(auto, direct)

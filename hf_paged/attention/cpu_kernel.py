@@ -27,18 +27,20 @@ class CpuDecodeKernel:
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self.fns = {torch.float32: library.paged_decode_f32, torch.bfloat16: library.paged_decode_bf16}
         for fn in self.fns.values():
-            fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, ptr, ptr, i64, ptr, i64, i64, i64]
+            fn.argtypes = [ptr] * 7 + [i64] * 6 + [f32, i64, f32, ptr, ptr, i64, ptr, i64, i64, i64, i64]
             fn.restype = None
 
     @torch.compiler.disable  # never traced: dynamo tracing a compiled model into this ctypes call corrupted the heap
     def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, sliding_window: int | None,
                  softcap: float | None, extras: LayerExtras | None = None,
-                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 key_mask: torch.Tensor | None = None, path: int = 0) -> torch.Tensor:
         """query [G, H, D] in the pages' dtype (one token per sequence) -> [G, H, D]; tables int64 [G, B], context_lens
         int64 [G].
         `extras`: the layer's sinks / ALiBi slopes / attention chunk (LayerExtras), all implemented here.
-        `key_mask`: bool [G, >= max context], False for keys to leave out (a row with none left gets zeros)."""
+        `key_mask`: bool [G, >= max context], False for keys to leave out (a row with none left gets zeros).
+        `path`: 0 by dtype (bf16 pages the vector path), 1 per key, 2 the vector path where head_dim % 16 == 0
+        (decode_choice measures which)."""
         dtype = query.dtype  # fp32 or bf16 (the pages' dtype): the kernel computes in fp32
         if dtype != torch.float32:
             query = query.to(torch.float32)
@@ -65,7 +67,7 @@ class CpuDecodeKernel:
                                   scale, sliding_window or 0, softcap or 0.0,
                                   0 if slopes is None else slopes.data_ptr(), 0 if sinks is None else sinks.data_ptr(),
                                   chunk, 0 if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1], 0,
-                                  groups)
+                                  groups, path)
         return out if dtype == torch.float32 else out.to(dtype)
 
 

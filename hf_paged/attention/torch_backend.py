@@ -12,10 +12,12 @@ once; attention chunks only change the mask. Relative-position logits never reac
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
 
+from . import decode_choice
 from .cpu_kernel import load_cpu_kernel, usable
 from .extras import LayerExtras, alibi_bias, relative_bias
 from .extras import allowed as allowed_mask
@@ -157,7 +159,29 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     if extras is not None and not extras.any():
         extras = None
     use_native = native_decode and usable(query, key_cache) and (extras is None or extras.relative_logits is None)
-    native = load_cpu_kernel() if use_native else None
+    run = functools.partial(_paged_attention, query, key_cache, value_cache, metadata, scale, sliding_window, softcap,
+                            key, value, kv_scales, extras)
+    if not use_native:
+        return run(None)
+    # the path measured fastest for this layer shape (decode_choice), torch's own included; pure decode steps time it
+    choice = decode_choice.key_of(query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1])
+    pure = bool(metadata.num_decode_tiles) and metadata.all_decodes().rows.numel() == query.shape[0]
+    path, timed = decode_choice.pick(choice, may_time=pure)
+    kernel = load_cpu_kernel() if path != decode_choice.BASELINE else None
+    native = functools.partial(kernel, path=decode_choice.kernel_path(path)) if kernel is not None else None
+    if not timed:
+        return run(native)
+    started = decode_choice.clock()
+    out = run(native)
+    decode_choice.record(choice, path, decode_choice.clock() - started)
+    return out
+
+
+def _paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     metadata: AttentionMetadata, scale: float, sliding_window: int | None, softcap: float | None,
+                     key: torch.Tensor | None, value: torch.Tensor | None, kv_scales: tuple[float, float],
+                     extras: LayerExtras | None, native) -> torch.Tensor:
+    """`torch_paged_attention` with `native` the kernel (bound to its path) for decodes, or None: torch's path."""
     if key_cache.dtype in FP8_DTYPES:  # fresh prompts too attend over what the pages hold, as every later step does
         key = value = None
     if native is not None and metadata.num_decode_tiles:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import decode_choice
 from ..attention.cpu_kernel import load_cpu_kernel, usable
 from ..kv import PagedKV
 
@@ -58,13 +59,16 @@ def decode_in_place(query: torch.Tensor, paged: PagedKV, attention_mask: torch.T
     key_mask = _key_mask(attention_mask, batch, paged.length)
     if key_mask is False:
         return None
-    kernel = load_cpu_kernel()
-    if kernel is None:
+    path, _ = decode_choice.pick(decode_choice.key_of(query.dtype, query.shape[1], pages.keys.shape[2], head_dim,
+                                                      pages.keys.shape[1]), may_time=False)  # HF's loop: not timed
+    kernel = load_cpu_kernel() if path != decode_choice.BASELINE else None
+    if kernel is None:  # no kernel, or torch's path measured faster for this shape: the caller gathers
         return None
     table = paged.store.table_tensor(query.device)
     context_lens = torch.full((batch,), paged.length, dtype=torch.int64)
     scale = scaling if scaling is not None else head_dim ** -0.5
-    out = kernel(query[:, :, 0], pages.keys, pages.values, table, context_lens, scale, None, None, key_mask=key_mask)
+    out = kernel(query[:, :, 0], pages.keys, pages.values, table, context_lens, scale, None, None, key_mask=key_mask,
+                 path=decode_choice.kernel_path(path))
     return out.unsqueeze(1)
 
 

@@ -326,7 +326,8 @@ ALWAYS_INLINE void decode_item_vec(const float *restrict qg, const void *restric
 }
 
 ALWAYS_INLINE void paged_decode(const float *q, const void *key_cache, const void *value_cache, int bf16,
-                              const int64_t *block_tables, const int64_t *context_lens, float *out, float *scores,
+                              int64_t path, const int64_t *block_tables, const int64_t *context_lens, float *out,
+                              float *scores,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                               int64_t max_blocks, int64_t max_context, float scale, int64_t window, float softcap,
                               const float *alibi, const float *sinks, int64_t chunk, const uint8_t *key_mask,
@@ -363,7 +364,9 @@ ALWAYS_INLINE void paged_decode(const float *q, const void *key_cache, const voi
                             kv_per_item, D, max_context, scale, softcap, alibi_g, sinks_g)
 #define ITEM_VEC(D) decode_item_vec(qg, key_cache, value_cache, bf16, offsets, tokens, sg, og, ctx, count, per_kv, \
                                    kv_per_item, D, max_context, scale, softcap, alibi_g, sinks_g)
-        if (bf16 && head_dim % 16 == 0) { /* bf16 pages: the sums, not the reads, bound the time */
+        /* path 0: by dtype (bf16 pages: the sums, not the reads, bound the time: the vector path); 1: per key; 2: the
+         * vector path (head_dim a multiple of 16, else per key). The caller's timed probe picks (decode_choice.py). */
+        if (head_dim % 16 == 0 && (path == 2 || (path == 0 && bf16))) {
             switch (head_dim) {
                 case 64: ITEM_VEC(64); break;
                 case 128: ITEM_VEC(128); break;
@@ -387,11 +390,11 @@ ALWAYS_INLINE void paged_decode(const float *q, const void *key_cache, const voi
     const int64_t *context_lens, float *out, float *scores, int64_t num_heads, int64_t num_kv_heads,               \
     int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_context, float scale, int64_t window,    \
     float softcap, const float *alibi, const float *sinks, int64_t chunk, const uint8_t *key_mask,                 \
-    int64_t mask_stride, int64_t first, int64_t last
+    int64_t mask_stride, int64_t first, int64_t last, int64_t path
 #define PAGED_DECODE_CALL(BF16)                                                                                     \
-    paged_decode(q, key_cache, value_cache, BF16, block_tables, context_lens, out, scores, num_heads, num_kv_heads, \
-                 head_dim, block_size, max_blocks, max_context, scale, window, softcap, alibi, sinks, chunk,       \
-                 key_mask, mask_stride, first, last)
+    paged_decode(q, key_cache, value_cache, BF16, path, block_tables, context_lens, out, scores, num_heads,        \
+                 num_kv_heads, head_dim, block_size, max_blocks, max_context, scale, window, softcap, alibi, sinks, \
+                 chunk, key_mask, mask_stride, first, last)
 
 void paged_decode_f32(PAGED_DECODE_ARGS(float)) { PAGED_DECODE_CALL(0); }
 void paged_decode_bf16(PAGED_DECODE_ARGS(uint16_t)) { PAGED_DECODE_CALL(1); }

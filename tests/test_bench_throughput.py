@@ -67,6 +67,17 @@ def test_measure_on_a_tiny_model(restore):
     assert set(paged["small_linears"]) == {"status", "choices"}
     assert set(paged["fused"]) == {"norms", "norms_status", "rotary", "rotary_status"} and "fused" not in padded
     assert isinstance(paged["fused"]["norms_status"], str) and 0 <= paged["fused"]["norms"] <= 3  # 1 layer x 2 + 1
+    assert isinstance(paged["decode_attention"], list) and "decode_attention" not in padded
+
+
+def test_the_decode_attention_choice_is_printed(capsys):
+    r = {"requests": 64, "fused": {"norms": 17, "norms_status": "loaded", "rotary": 8, "rotary_status": "loaded"},
+         "decode_attention": [{"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16,
+                               "threads": 1, "path": "keys", "source": "measured",
+                               "us": {"torch": 8000.0, "keys": 600.0, "vector": 630.0}}]}
+    throughput_report.print_fused([r])
+    assert ("decode attention in hf_paged's worker, 64 requests, float32 pages, 8/2 heads of 64, 1 threads: keys "
+            "(measured: torch 8000 us, keys 600 us, vector 630 us)") in capsys.readouterr().out
 
 
 def test_the_warm_up_has_the_timed_calls_size(restore, monkeypatch):

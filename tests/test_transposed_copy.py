@@ -171,3 +171,23 @@ def test_transposed_copies_leave_half_the_budget_to_the_other_copies(monkeypatch
     assert transposed_copy.copy_of(net, net.weight) is None
     monkeypatch.setattr(packed_linear, "_budget", [2 * size])
     assert transposed_copy.copy_of(net, net.weight) is not None
+
+
+def test_no_copy_of_an_adapters_base_layer_whose_weights_peft_rewrites_mid_forward():
+    """PEFT's merged layer with its adapters disabled unmerges when called (through `.data`, no version bump), after
+    the forward's checks ran: its base layer's copy would be stale. Every fp32 linear's choice is the copy here."""
+    pytest.importorskip("peft")
+    import test_peft
+
+    model = test_peft.peft_model()
+    kernel = load_small_gemm() is not None
+    for shape in {tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear}:
+        for rows in linear_choice.BUCKETS:
+            key = linear_choice.Key(shape, torch.float32, rows, torch.get_num_threads(), kernel)
+            TABLE.fast[key] = transposed_copy.MARKER
+    llm, before = test_peft.warm_llm(model)
+    assert any(copy_of(m) is not None for m in model.modules())  # the copy is used where no adapter wraps
+    model.merge_adapter()
+    assert test_peft.serve(llm)[0] == test_peft.hf_tokens(model)
+    with model.disable_adapter():  # unmerged lazily, layer by layer, inside the next forward
+        test_peft.assert_fresh(llm, model, before)

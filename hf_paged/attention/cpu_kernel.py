@@ -4,7 +4,8 @@ Decodes read K/V straight from the pages (no gather copy) and each K/V row once 
 soft-capping, ALiBi, attention sinks and attention chunks are implemented in the kernel. The work is
 split over OpenMP threads of the same libgomp torch uses (one pool, no oversubscription). Without a
 compiler the kernel is simply absent (`load_cpu_kernel()` returns None and `cpu_kernel_status()` says why)
-and the pure-torch path is used.
+and the pure-torch path is used. Where it loads, which of torch's path and the kernel's two paths a layer shape takes
+is timed on the engine's decode steps (`decode_choice`).
 """
 from __future__ import annotations
 

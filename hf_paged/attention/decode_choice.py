@@ -19,7 +19,8 @@ Invariants:
   the kernel's default by dtype (bf16 pages: the vector path), as before this choice existed.
 - Every candidate computes the same attention; the paths differ in the order of the floating-point sums only.
 - `HF_PAGED_CPU_DECODE=keys|vector|torch` forces a path (vector where the head dim allows, else per key), `=kernel`
-  the kernel's default by dtype; unset or `auto` measures. `HF_PAGED_CPU_KERNEL=0` leaves the kernel out (torch's path, unmeasured).
+  the kernel's default by dtype; unset or `auto` measures. `HF_PAGED_CPU_KERNEL=0` leaves the kernel out (torch's
+  path, unmeasured).
 - `decode_choices()` lists what was chosen and each candidate's time, for the benchmarks.
 """
 from __future__ import annotations

@@ -249,6 +249,9 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
 
         extra["small_linears"] = {"status": small_linear_status(), "choices": small_linear_choices()}
         extra["fused"] = fused_passes(model)
+        from hf_paged.attention.decode_choice import decode_choices
+
+        extra["decode_attention"] = decode_choices()
         extra["warmups"], extra["open_trials"] = len(warmups), open_trials()
     return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "threads": threads, **extra,

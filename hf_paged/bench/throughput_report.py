@@ -21,6 +21,11 @@ def print_fused(results: list[dict]) -> None:
             print(f"\nfused passes in hf_paged's worker, {r['requests']} requests: RMSNorm on {fused['norms']} modules "
                   f"({fused['norms_status']}), rotary embedding on {fused['rotary']} attention modules "
                   f"({fused['rotary_status']}); each bit for bit transformers' and timed faster here")
+        for c in r.get("decode_attention", []):
+            times = ", ".join(f"{name} {us:.0f} us" for name, us in c["us"].items())
+            print(f"decode attention in hf_paged's worker, {r['requests']} requests, {c['dtype']} pages, "
+                  f"{c['heads']}/{c['kv_heads']} heads of {c['head_dim']}, {c['threads']} threads: {c['path']} "
+                  f"({c['source']}{': ' + times if times else ''})")
 
 
 def print_small_linears(results: list[dict]) -> None:

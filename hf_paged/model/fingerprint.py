@@ -188,6 +188,23 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple:
     return model.training, identity, versions, states, (sample.read() if sample is not None else ())
 
 
+_BASES: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def adapter_bases(model: torch.nn.Module) -> frozenset:
+    """ids of the modules that adapter layers wrap (PEFT's `base_layer`): PEFT writes their weights through `.data`,
+    also in the middle of a forward (a merged layer whose adapters are disabled unmerges when it is called), so no
+    copy of those weights can be trusted during a forward (`packed_linear`). Listed again after any registration."""
+    layout = _layout(model)
+    cached = _BASES.get(model)
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    bases = frozenset(id(base) for ref in layout[2] if (layer := ref()) is not None
+                      and isinstance(base := layer.__dict__.get("_modules", {}).get("base_layer"), torch.nn.Module))
+    _BASES[model] = (layout, bases)
+    return bases
+
+
 def uninstall() -> None:
     """Remove the registration hooks (hf_paged.disable())."""
     _Registrations.uninstall()

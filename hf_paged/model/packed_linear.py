@@ -24,9 +24,10 @@ Invariants:
   DLPack alias) and change any of them drop every copy of the model. Not caught: such a write that changes none of
   the sampled entries; `LLM.reset_prefix_cache()` drops the copies as well. Inference tensors (no version counter)
   are never packed.
-- fp32 linears may hold a transposed copy (`copy_for(..., TRANSPOSED)`: W^T contiguous, `transposed_copy`), one of
-  `small_linear`'s measured candidates; it lives and is checked like the packed copies, in its own store (an fp32
-  head may hold one beside its screens).
+- fp32 linears may hold a transposed copy (`copy_for(..., TRANSPOSED)`, `transposed_copy`), kept in its own store.
+- No copy is made or used in a forward for a module an adapter layer wraps (`fingerprint.adapter_bases`, put in
+  `THIS_THREAD.no_copies`): PEFT writes those weights through `.data`, also mid-forward (a merged layer with its
+  adapters disabled unmerges when called), after the checks above ran.
 - Memory: a copy is a second copy of its weight (oneDNN pads small ones: counted as packed). All copies in the
   process together stay under BUDGET_SHARE of the memory available when the first was made, the transposed ones
   under TRANSPOSED_SHARE of that; beyond that, F.linear.
@@ -193,6 +194,8 @@ def _budget_bytes() -> int:
 
 def current_copy(module: torch.nn.Module, weight: torch.Tensor, cast=None) -> PackedCopy | None:
     """`module`'s copy of this kind if it matches `weight` as it is now, else None (makes nothing)."""
+    if id(module) in THIS_THREAD.no_copies:
+        return None
     copy = _store(cast).get(module)
     return copy if copy is not None and copy.matches(weight) else None
 
@@ -201,6 +204,8 @@ def copy_for(module: torch.nn.Module, weight: torch.Tensor, cast: torch.dtype | 
     """`module`'s packed copy of `weight` as it is now (packed again if it changed), or None: over the budget, or a
     weight the packed product does not take (`weight_packable`). `cast`: a copy in that dtype of an fp32 weight
     (`PackedCopy`); a module has one copy of each kind (`_store`)."""
+    if id(module) in THIS_THREAD.no_copies:  # an adapter's base layer: its weight may change mid-forward
+        return None
     store = _store(cast)
     copy = store.get(module)
     if copy is not None and copy.matches(weight):

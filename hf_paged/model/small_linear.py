@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import fused_norms, fused_rotary, greedy_head, packed_linear, transposed_copy
+from . import fingerprint, fused_norms, fused_rotary, greedy_head, packed_linear, transposed_copy
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -320,6 +320,7 @@ class SmallBatchLinears:
         copying = fp32 if self.mode == "auto" and packed_linear.mode() != "off" else []
         self.packed = packed_linear.PackedLinears(packable + [m for m in fp32_head if m not in copying] + copying)
         self.plain_steps: set = set()  # (rows, head rows, threads) of steps whose every product is F.linear
+        self.model = model  # for the adapter layers' base layers, listed before each forward (no weight copies)
 
     def plain(self, rows: int, head_rows: int) -> bool:
         """Whether a forward of `rows` tokens whose LM head sees `head_rows` of them would run F.linear in every
@@ -371,6 +372,7 @@ class SmallBatchLinears:
         # cost (57 linears each way: 100 -> 20 us a step)
         if self.packed.modules:
             self.packed.verify()  # packed copies whose weights changed through `.data` are dropped (packed_linear)
+            THIS_THREAD.no_copies = fingerprint.adapter_bases(self.model)
         on = THIS_THREAD.linears
         added = self.ids - on  # this thread's switch: another thread calling these forwards gets F.linear
         on |= added
@@ -388,3 +390,4 @@ class SmallBatchLinears:
                 vars(module).pop("forward", None)  # the class's forward again
             on -= added
             THIS_THREAD.greedy = None
+            THIS_THREAD.no_copies = frozenset()

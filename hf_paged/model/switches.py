@@ -35,6 +35,7 @@ class _ThisThread(threading.local):
         self.linears: set = set()  # ids of linear modules whose few-row forward is on
         self.fused: set = set()  # ids of modules whose fused forward is on (fused_norms, fused_rotary)
         self.greedy = None  # the greedy_head.GreedyStep of the forward this thread runs, while one asks for picks
+        self.no_copies: frozenset = frozenset()  # ids of modules whose weights may change mid-forward (no copies)
 
 
 THIS_THREAD = _ThisThread()

@@ -143,14 +143,12 @@ def test_memory_budget_bounds_the_copies(forced, monkeypatch):
 
 def test_switched_off_and_fp32_take_no_packed_copies(monkeypatch):
     monkeypatch.setenv(packed_linear.SWITCH, "0")
-    assert SmallBatchLinears(make()).packed.modules == []
-    assert SmallBatchLinears(make().float()).packed.modules == []  # nor transposed ones (transposed_copy)
+    assert SmallBatchLinears(make()).packed.modules == SmallBatchLinears(make().float()).packed.modules == []
     monkeypatch.setenv(packed_linear.SWITCH, "force")
     monkeypatch.setenv("HF_PAGED_SMALL_LINEARS", "0")  # everything off
     assert SmallBatchLinears(make()).packed.modules == []
     monkeypatch.delenv("HF_PAGED_SMALL_LINEARS")
-    net = make().float()
-    run(net, SmallBatchLinears(net), torch.randn(2, 64))
+    run(net := make().float(), SmallBatchLinears(net), torch.randn(2, 64))
     assert packed_linear._COPIES.get(net.proj) is None and packed_linear._COPIES.get(net.head) is None
 
 

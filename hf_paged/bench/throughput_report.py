@@ -15,7 +15,8 @@ def _linear_paths(result: dict) -> dict[str, str]:
 
 
 def print_fused(results: list[dict]) -> None:
-    """The native RMSNorm and rotary passes each hf_paged worker's engine took (fused_norms / fused_rotary)."""
+    """The native RMSNorm and rotary passes each hf_paged worker's engine took (fused_norms / fused_rotary), and the
+    path its CPU decode attention took per layer shape (attention/decode_choice)."""
     for r in results:
         if fused := r.get("fused"):
             print(f"\nfused passes in hf_paged's worker, {r['requests']} requests: RMSNorm on {fused['norms']} modules "

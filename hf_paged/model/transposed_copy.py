@@ -11,8 +11,9 @@ Invariants:
   the weight matches it (storage, version counter, sampled entries before each forward), inside the copies' memory
   budget; `HF_PAGED_PACKED_LINEARS=0` turns it off (then the candidate is not offered, and a choice of it already made
   runs F.linear).
-- A trial call that names it for a module that cannot have a copy (budget) runs F.linear and records the candidate as
-  unavailable for the trial (infinitely slow: dropped), so trials always end.
+- A trial call that names it for a module that cannot have a copy (memory budget; an adapter's base layer, whose
+  weight PEFT may rewrite mid-forward: `packed_linear`) runs F.linear and records the candidate as unavailable for
+  the trial (infinitely slow: dropped), so trials always end.
 - Copies are made only by calls that run this product (trials and choices): once a row bucket's choice is made, the
   copies of that weight shape are dropped unless some bucket of the shape chose them.
 - The sums are F.linear's in another order (like the kernel's): rounding, never different terms.

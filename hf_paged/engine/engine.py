@@ -318,6 +318,7 @@ class Engine:
         with self.lock:
             self.scheduler.set_context(object())
             self.runner.linears.packed.forget()
+            self.runner.layers.forget()
 
     # ---- output --------------------------------------------------------------------------------
     def detokenize(self, token_ids: list[int]) -> str:

@@ -4,6 +4,7 @@ attention that reads a `PagedCache`'s pages in place in transformers' own loop."
 from . import cache_attention, paged_forward, switches
 from .cache_attention import CACHE_ATTENTION_NAME
 from .forward_lock import forward_lock
+from .fused_layers import FusedLayers
 from .fused_norms import FusedNorms
 from .fused_rotary import FusedRotary
 from .paged_forward import PagedForwardContext, attention_implementation, paged_attention_active, position_takers
@@ -24,7 +25,7 @@ def unregister() -> None:
     cache_attention.unregister()
 
 
-__all__ = ["CACHE_ATTENTION_NAME", "check_paged_matches_model", "FusedNorms", "FusedRotary", "SmallBatchLinears",
-           "ModelSpec", "describe_model",
+__all__ = ["CACHE_ATTENTION_NAME", "check_paged_matches_model", "FusedLayers", "FusedNorms", "FusedRotary",
+           "SmallBatchLinears", "ModelSpec", "describe_model",
            "HfPagedDisabled", "PagedForwardContext", "attention_implementation", "forward_lock",
            "paged_attention_active", "position_takers", "register", "require_enabled", "switches", "unregister"]

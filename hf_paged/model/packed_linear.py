@@ -29,9 +29,8 @@ Invariants:
   `THIS_THREAD.no_copies`): PEFT writes those weights through `.data`, also mid-forward (a merged layer with its
   adapters disabled unmerges when called), after the checks above ran.
 - Memory: a copy is a second copy of its weight (oneDNN pads small ones: counted as packed). All copies in the
-  process together stay under BUDGET_SHARE of the memory available when the first was made, the transposed ones
-  under TRANSPOSED_SHARE of that; beyond that, F.linear.
-  `HF_PAGED_PACKED_LINEARS=0` turns them off.
+  process together (`fused_layers`' too) stay under BUDGET_SHARE of the memory available when the first was made,
+  the transposed ones under TRANSPOSED_SHARE of that; beyond that, F.linear. `HF_PAGED_PACKED_LINEARS=0`: none.
 - A copy lives as long as its module (`_COPIES` holds modules weakly) and is shared by every engine of the model
   (`model.generate(...)` builds an engine per call: no repacking per call). It holds no view of its weight, so a
   weight given new storage (`model.to("cuda")`) is freed; the copy itself goes at the next forward's check, with
@@ -90,15 +89,15 @@ class PackedCopy:
     __slots__ = ("storage", "address", "version", "shape", "stride", "dtype", "nbytes", "packed", "starts", "values",
                  "row_norm_max", "__weakref__")
 
-    def __init__(self, weight: torch.Tensor, cast: torch.dtype | None = None):
+    def __init__(self, weight: torch.Tensor, cast: torch.dtype | None = None, made: torch.Tensor | None = None):
         """`cast`: pack `weight` cast to this dtype (an fp32 LM head's bf16 screen, `greedy_head`); the copy then also
-        knows the largest Euclidean norm of the weight's rows (`row_norm_max`, computed in float64 from the weight
-        itself, not the cast). `cast=torch.int8`: `packed` is the head's int8 copy instead (`int8_head.Int8Head`,
-        for the int8 screen), `row_norm_max` the same (from the norms it computed). `cast=TRANSPOSED`: `packed` is
-        the fp32 weight transposed, contiguous ([in, out])."""
+        knows the largest Euclidean norm of the weight's rows (`row_norm_max`, in float64 from the weight itself).
+        `cast=torch.int8`: `packed` is the head's int8 copy instead (`int8_head.Int8Head`, for the int8 screen),
+        `row_norm_max` the same. `cast=TRANSPOSED`: `packed` is the fp32 weight transposed, contiguous ([in, out]),
+        or `made`, a copy the caller made (`fused_layers`: a view into joined weights)."""
         with torch.no_grad():
-            if cast is TRANSPOSED:
-                self.packed = weight.detach().t().contiguous()
+            if made is not None or cast is TRANSPOSED:
+                self.packed = made if made is not None else weight.detach().t().contiguous()
                 self.row_norm_max = None
             elif cast is torch.int8:
                 self.packed = int8_head.quantize(weight.detach())
@@ -143,8 +142,8 @@ def _packed_bytes(packed: torch.Tensor, weight: torch.Tensor) -> int:
     """The memory the packed copy takes: oneDNN pads small weights (a [1, 4096] bf16 weight's copy takes 256 KiB)."""
     if isinstance(packed, int8_head.Int8Head):
         return packed.nbytes
-    if packed.dtype is torch.float32:  # a transposed copy: a plain tensor
-        return packed.untyped_storage().nbytes()
+    if packed.dtype is torch.float32:  # a transposed copy: a plain tensor (or a view into joined ones)
+        return packed.numel() * packed.element_size()
     try:
         return int(torch.ops.mkldnn._nbytes(packed))
     except (AttributeError, RuntimeError):
@@ -174,10 +173,11 @@ def _store(cast: torch.dtype | None) -> "weakref.WeakKeyDictionary[torch.nn.Modu
 
 
 STORES = (_COPIES, _INT8, _TRANSPOSED)
+EXTRA_STORES: list = []  # other modules' weak dicts of objects with `nbytes` (fused_layers): in the same budget
 
 
-def _all_copies() -> list[PackedCopy]:
-    return [c for store in STORES for c in store.values()]
+def _all_copies() -> list:
+    return [c for store in (*STORES, *EXTRA_STORES) for c in list(store.values())]
 
 
 _LOCK = threading.Lock()

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import fingerprint, fused_norms, fused_rotary, greedy_head, packed_linear, transposed_copy
+from . import fingerprint, fused_layers, fused_norms, fused_rotary, greedy_head, packed_linear, transposed_copy
 from .linear_choice import BUCKET_OF, TABLE, Key, summary
 from .switches import THIS_THREAD
 
@@ -266,7 +266,8 @@ def _small_batch_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
 
 OUR_FORWARDS = (_measured_linear, _kernel_linear, _small_batch_linear, packed_linear._packed_linear,
                 packed_linear._forced_packed_linear, greedy_head.greedy_head_forward,
-                fused_norms.fused_rms_norm_forward, fused_rotary.fused_rotary_forward)
+                fused_norms.fused_rms_norm_forward, fused_rotary.fused_rotary_forward,
+                fused_layers.fused_layer_forward)
 
 
 def drop_leftover_forwards(model: torch.nn.Module) -> int:

@@ -34,6 +34,7 @@ class _ThisThread(threading.local):
         self.attention: dict = {}  # id(config) -> (config, attention implementation name) while switched
         self.linears: set = set()  # ids of linear modules whose few-row forward is on
         self.fused: set = set()  # ids of modules whose fused forward is on (fused_norms, fused_rotary)
+        self.fused_layers: dict = {}  # id(decoder layer) -> (parts, projections) while its fused forward is on
         self.greedy = None  # the greedy_head.GreedyStep of the forward this thread runs, while one asks for picks
         self.no_copies: frozenset = frozenset()  # ids of modules whose weights may change mid-forward (no copies)
 

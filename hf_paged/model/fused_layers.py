@@ -1,0 +1,296 @@
+"""Llama-coded decoder layers of few-row CPU steps in fewer, larger products (q, k and v in one; gate and up in one;
+each residual add inside its output product), measured against the class forward on the machine.
+
+A 64-row decode step of a small fp32 model spends much of its time between products: a dozen module calls a layer,
+each through `nn.Module.__call__`, seven product dispatches, the residual adds. For a layer whose code is
+transformers' Llama layer (`layer_code.llama_parts`) whose seven projections are plain bias-free fp32 CPU
+`nn.Linear`s, `fused_layer_forward` makes the class code's calls of the norms, the rotary function and the attention
+function (their forwards: hf_paged's fused norm and rotary passes where swapped in), and computes the projections
+from copies of the weights, transposed and joined (`LayerCopies`): h @ [Wq; Wk; Wv]^T in one product, residual +
+o @ Wo^T in one (`addmm`), h @ [Wgate; Wup]^T in one, act(gate) * up, residual + that @ Wdown^T. The same sums as
+the class forward's, in another order (like any other choice of product); nothing else.
+
+Invariants:
+- Only in the engine's forward, in the thread that swapped the forwards in (`THIS_THREAD.fused_layers`), for calls of
+  1..MAX_ROWS fp32 CPU rows in no-grad mode without autocast, `cache` None, no `past_key_values` keyword, not training;
+  and only while every part the path skips would only have run its forward (`layer_code.plain_calls`, projections
+  included) and the layer's parts are the ones found. Anything else runs the class forward.
+- The copies are used only while they match their weights, checked as `packed_linear` checks its copies: each
+  weight's storage, address, shape, strides and version counter on every call; sample runs of every weight before
+  each forward (`Samples.check`: a mismatch drops the model's copies); within packed_linear's memory budget (beyond it:
+  the class forward). `LLM.reset_prefix_cache()` drops them too.
+- Measured: the first calls of each (hidden, widths, row bucket, threads) once its projections' own products are
+  chosen (`small_linear`: the class forward is then timed as it will run) run the class forward and this one in
+  turn, each call timed whole in the real step (`linear_choice.TABLE`, dtype "layer"); the class forward stays
+  unless this one measured more than 5 % faster. A layer bucket that keeps the class forward drops its copies.
+  `HF_PAGED_FUSED_LAYERS=0` turns the path off, `=force` takes it wherever it may, untimed (tests).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import types
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+from . import layer_code, packed_linear
+from .fused_norms import swapped_forwards
+from .linear_choice import BUCKET_OF, TABLE, Key
+from .switches import THIS_THREAD
+
+SWITCH = "HF_PAGED_FUSED_LAYERS"
+MAX_ROWS = 128
+CLASS, FUSED = "class", "fused"  # the trial's candidates (the class forward is the baseline)
+_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, LayerCopies]" = weakref.WeakKeyDictionary()  # layer -> copies
+packed_linear.EXTRA_STORES.append(_COPIES)
+
+
+def mode() -> str:
+    value = os.environ.get(SWITCH, "auto").strip().lower()
+    return {"0": "off", "force": "force"}.get(value, "auto")
+
+
+def projections(parts: tuple) -> list[torch.nn.Module]:
+    attention, mlp = parts[0], parts[1]
+    return [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj,
+            mlp.down_proj]
+
+
+def layer_shape(weights: list[torch.Tensor]) -> tuple:
+    """(hidden, each projection's out features): the trial key's shape."""
+    return (weights[0].shape[1], *(w.shape[0] for w in weights))
+
+
+def _plain_linears(modules: list) -> bool:
+    return all(type(m) is torch.nn.Linear and m.bias is None
+               and packed_linear.weight_packable(m.weight, packed_linear.TRANSPOSED) for m in modules)
+
+
+class LayerCopies:
+    """A layer's seven weights transposed and joined ([in, out] each; q/k/v and gate/up side by side), with a
+    `packed_linear.PackedCopy` record of what each was made from (its `packed`: the view of that weight's columns)."""
+    __slots__ = ("qkv", "o", "gate_up", "down", "widths", "records", "nbytes", "shape", "__weakref__")
+
+    def __init__(self, weights: list[torch.Tensor]):
+        with torch.no_grad():
+            q, k, v, o, gate, up, down = (w.detach() for w in weights)
+            self.qkv, self.o = torch.cat([q, k, v]).t().contiguous(), o.t().contiguous()
+            self.gate_up, self.down = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()
+        nq, nk, ni = q.shape[0], k.shape[0], gate.shape[0]
+        self.widths = (nq, nk, ni)
+        views = [self.qkv[:, :nq], self.qkv[:, nq:nq + nk], self.qkv[:, nq + nk:], self.o, self.gate_up[:, :ni],
+                 self.gate_up[:, ni:], self.down]
+        self.records = [packed_linear.PackedCopy(w, packed_linear.TRANSPOSED, made=view)
+                        for w, view in zip(weights, views)]
+        self.nbytes = sum(t.numel() * t.element_size() for t in (self.qkv, self.o, self.gate_up, self.down))
+        self.shape = layer_shape(weights)
+
+    def matches(self, weights: list[torch.Tensor]) -> bool:
+        return all(record.matches(w) for record, w in zip(self.records, weights))
+
+
+def copies_for(layer: torch.nn.Module, weights: list[torch.Tensor]) -> LayerCopies | None:
+    """`layer`'s copies of `weights` as they are now (made again if they changed), or None: over the budget."""
+    copies = _COPIES.get(layer)
+    if copies is not None and copies.matches(weights):
+        return copies
+    with packed_linear._LOCK:
+        _COPIES.pop(layer, None)
+        need = sum(w.numel() * w.element_size() for w in weights)
+        if sum(c.nbytes for c in packed_linear._all_copies()) + need > packed_linear._budget_bytes():
+            return None
+        try:
+            copies = LayerCopies(weights)
+        except (RuntimeError, MemoryError):
+            return None
+        _COPIES[layer] = copies
+        return copies
+
+
+def forget(layers) -> int:
+    with packed_linear._LOCK:
+        return sum(_COPIES.pop(layer, None) is not None for layer in layers)
+
+
+class Samples:
+    """The sample runs of the copied weights of some layers (`check`), with the views and the values they were
+    copied with kept between forwards while the same copies live (joined again when they change)."""
+
+    def __init__(self):
+        self.seen: list = []  # weak references to the LayerCopies the views below were taken for
+        self.views: list[torch.Tensor] = []
+        self.values: torch.Tensor | None = None
+
+    def check(self, layers: list, projections_of: list) -> bool:
+        """True when every sample run of the copied weights of `layers` (whose projections are `projections_of`)
+        holds its value when copied; else their copies are all dropped (made again on use). A copy whose weight now
+        has other storage is dropped alone (it would be made again on its next call anyway)."""
+        live = [(layer, c, mods) for layer, mods in zip(layers, projections_of)
+                if (c := _COPIES.get(layer)) is not None]
+        moved = [layer for layer, c, mods in live if not all(r.same_storage(m.weight) for r, m in zip(c.records, mods))]
+        if moved:
+            forget(moved)
+            live = [entry for entry in live if entry[0] not in moved]
+        if not live:
+            self.seen, self.views, self.values = [], [], None
+            return True
+        if len(live) != len(self.seen) or any(ref() is not c for ref, (_, c, _) in zip(self.seen, live)):
+            self.seen = [weakref.ref(c) for _, c, _ in live]
+            self.views = [v for _, c, mods in live for r, m in zip(c.records, mods) for v in r.sample_views(m.weight)]
+            self.values = torch.cat([r.values for _, c, _ in live for r in c.records])
+        if torch.equal(packed_linear._bits(torch.cat(self.views)), self.values):
+            return True
+        self.seen, self.views, self.values = [], [], None
+        forget(layers)
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _attention_lookup() -> tuple:
+    """transformers' attention-function registry and the Llama code's default (eager) attention."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+
+
+def _fused(parts: tuple, copies: LayerCopies, hidden_states, attention_mask, position_ids, use_cache,
+           position_embeddings, kwargs):
+    attention, mlp, norm1, norm2, rotary = parts
+    nq, nk, ni = copies.widths
+    shape = hidden_states.shape
+    residual = hidden_states.reshape(-1, shape[-1])
+    h = layer_code.call(norm1, hidden_states).reshape(-1, shape[-1])
+    qkv = torch.mm(h, copies.qkv)
+    hidden_shape = (*shape[:-1], -1, attention.head_dim)
+    query = qkv[:, :nq].view(hidden_shape).transpose(1, 2)
+    key = qkv[:, nq:nq + nk].view(hidden_shape).transpose(1, 2)
+    value = qkv[:, nq + nk:].view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = layer_code.call(rotary, query, key, cos, sin)
+    functions, eager = _attention_lookup()
+    interface = functions.get_interface(attention.config._attn_implementation, eager)
+    out, _ = interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
+                       position_ids=position_ids, use_cache=use_cache, **kwargs)
+    residual = torch.addmm(residual, out.reshape(residual.shape[0], -1), copies.o)
+    h = layer_code.call(norm2, residual.view(shape)).reshape(-1, shape[-1])
+    gate_up = torch.mm(h, copies.gate_up)
+    act = layer_code.call(mlp.act_fn, gate_up[:, :ni]) * gate_up[:, ni:]
+    return torch.addmm(residual, act, copies.down).view(shape)
+
+
+def _takes(self, hidden_states, cache, kwargs) -> bool:
+    shape = hidden_states.shape
+    rows = hidden_states.numel() // shape[-1] if hidden_states.dim() and shape[-1] else 0
+    return (0 < rows <= MAX_ROWS and cache is None and "past_key_values" not in kwargs and not self.training
+            and hidden_states.dtype is torch.float32 and hidden_states.is_cpu and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu"))
+
+
+def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                        position_embeddings=None, **kwargs):
+    """The swapped-in forward (module docstring): the fused path where it applies and is chosen, else the class's."""
+    found = THIS_THREAD.fused_layers.get(id(self))
+    args = (hidden_states, attention_mask, position_ids, use_cache, position_embeddings, kwargs)
+    if found is None or not _takes(self, hidden_states, cache, kwargs):
+        return _class(self, cache, *args)
+    parts, mods = found
+    rows = hidden_states.numel() // hidden_states.shape[-1]
+    key = Key(layer_shape([m.weight for m in mods]), "layer", BUCKET_OF[rows], torch.get_num_threads(), False)
+    name = FUSED if mode() == "force" else None
+    chosen = TABLE.fast.get(key) if name is None else FUSED
+    if chosen == CLASS:
+        return _class(self, cache, *args)
+    copies = copies_for(self, [m.weight for m in mods])
+    if chosen is None:
+        if _projection_trials_open(mods, key.rows):  # their choices first: the class forward is timed as it will run
+            return _class(self, cache, *args)
+        name, chosen = TABLE.pick(key, {CLASS: CLASS, FUSED: FUSED})
+        if chosen == FUSED and copies is None:  # over the budget: this candidate is out, this call untimed
+            TABLE.record(key, name, float("inf"), baseline=CLASS)
+            name, chosen = None, CLASS
+    if chosen == CLASS or copies is None:
+        run = lambda: _class(self, cache, *args)  # noqa: E731
+    else:
+        run = lambda: _fused(parts, copies, *args)  # noqa: E731
+    if name is None or mode() == "force":
+        return run()
+    out, decided = TABLE.timed(key, name, run, baseline=CLASS)
+    if decided:
+        _after_choice(key)
+    return out
+
+
+def _after_choice(key: Key) -> None:
+    """Once a bucket's choice is made: the copies of layers of its shape go unless some bucket of the shape chose the
+    fused forward; where it did, their projections' own transposed copies go (their few-row calls do not run)."""
+    fused = any(k.dtype == "layer" and k.shape == key.shape and chosen == FUSED
+                for k, chosen in list(TABLE.fast.items()))
+    with packed_linear._LOCK:
+        layers = [layer for layer, c in list(_COPIES.items()) if c.shape == key.shape]
+    if not fused:
+        forget(layers)
+        return
+    same = [mods for _, mods in THIS_THREAD.fused_layers.values() if layer_shape([m.weight for m in mods]) == key.shape]
+    packed_linear.forget([m for mods in same for m in mods], (packed_linear.TRANSPOSED,))
+
+
+def _projection_trials_open(mods: list, bucket: int) -> bool:
+    """Whether some projection of the layer still measures its own few-row products for this row bucket."""
+    shapes = {m.weight.shape for m in mods}
+    return any(key.rows == bucket and key.shape in shapes for key in list(TABLE.trials))
+
+
+def _class(self, cache, hidden_states, attention_mask, position_ids, use_cache, position_embeddings, kwargs):
+    return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+
+
+class FusedLayers:
+    """The model's Llama-coded decoder layers with plain fp32 CPU projections, found once; `active()` is a context
+    for one forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        on = mode() != "off"
+        found = [(m, p) for m in (model.modules() if on else ()) for p in [layer_code.llama_parts(m)]
+                 if p is not None and _plain_linears(projections(p))]
+        self.layers = [m for m, _ in found]
+        # per layer: its parts, its projections and everything whose call the fused forward makes directly or skips
+        self.found = [(m, p, projections(p), [*p, p[1].act_fn, *projections(p)]) for m, p in found]
+        self.forwards = [types.MethodType(fused_layer_forward, m) for m in self.layers]
+        self.samples = Samples()
+
+    @contextmanager
+    def active(self):
+        """The fused forwards on for one forward pass of this thread, for the layers whose parts are still the ones
+        found (`_unchanged`) and plain (`layer_code.plain_calls`); their copies checked first (`Samples`)."""
+        ready = {id(layer): (parts, mods) for layer, parts, mods, calls in self.found
+                 if _unchanged(layer, parts, mods, calls) and layer_code.plain_calls(calls)}
+        if not ready:
+            yield
+            return
+        before = THIS_THREAD.fused_layers
+        THIS_THREAD.fused_layers = {**before, **ready}
+        try:
+            layers = [m for m in self.layers if id(m) in ready]
+            self.samples.check(layers, [ready[id(m)][1] for m in layers])
+            with swapped_forwards(layers, [f for m, f in zip(self.layers, self.forwards) if id(m) in ready],
+                                  frozenset()):
+                yield
+        finally:
+            THIS_THREAD.fused_layers = before
+
+    def forget(self) -> int:
+        return forget(self.layers)
+
+
+def _unchanged(layer, parts: tuple, mods: list, calls: list) -> bool:
+    """The layer still holds the parts found (its projections bias-free plain linears: a weight is checked against
+    its copy on every call), and its attention code still calls the same rotary object."""
+    attention, mlp, norm1, norm2, rotary = parts
+    return (layer.self_attn is attention and layer.mlp is mlp and layer.input_layernorm is norm1
+            and layer.post_attention_layernorm is norm2 and mlp.act_fn is calls[5] and projections(parts) == mods
+            and all(type(m) is torch.nn.Linear and m.bias is None for m in mods)
+            and layer_code.rotary_call(attention) is rotary)

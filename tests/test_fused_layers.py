@@ -1,0 +1,170 @@
+"""Llama-coded decoder layers in joined products (hf_paged/model/fused_layers.py): an engine that takes them gives HF's
+tokens; the copies follow every change of the weights (version counter, sampled values) and the memory budget; a hook
+on any part, an adapter, another transformers code or the switch keeps the class forward; the path is chosen only by
+its trial. Speeds are never measured here: a fake clock advances by fixed costs."""
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.model import fused_layers, linear_choice, packed_linear
+from hf_paged.model.fused_layers import FusedLayers
+from hf_paged.model.linear_choice import TABLE
+from hf_paged.tiny import tiny_model
+
+PROMPTS = [[5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 30, 12, 14, 15, 16, 17, 18, 19, 20, 22], [4, 4, 9]]
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    for name in (fused_layers.SWITCH, "HF_PAGED_SMALL_LINEARS", linear_choice.CACHE_SWITCH, packed_linear.SWITCH):
+        monkeypatch.delenv(name, raising=False)
+    TABLE.clear()
+    yield
+    TABLE.clear()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of the fused and the class computations of layer calls."""
+    counted = {"fused": 0, "class": 0}
+    for name, attribute in (("fused", "_fused"), ("class", "_class")):
+        real = getattr(fused_layers, attribute)
+
+        def counting(*args, real=real, name=name):
+            counted[name] += 1
+            return real(*args)
+        monkeypatch.setattr(fused_layers, attribute, counting)
+    return counted
+
+
+def hf_tokens(model, prompt, n=10):
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_tokens(llm, prompts=PROMPTS, n=10):
+    params = hf_paged.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_hf(llm, model, prompts=PROMPTS):
+    assert engine_tokens(llm, prompts) == [hf_tokens(model, p) for p in prompts]
+
+
+def llama(sharpen_attention: float = 6.0):
+    """The tiny Llama with peaked attention: its tokens depend on what each layer's attention computes."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(sharpen_attention)
+    return model
+
+
+def new_llm(model):
+    return hf_paged.LLM(model, block_size=4, max_num_batched_tokens=16)
+
+
+def copies(model):
+    return [fused_layers._COPIES.get(m) for m in model.model.layers]
+
+
+def test_an_engine_whose_layers_are_fused_gives_hfs_tokens(monkeypatch, calls):
+    """Prefill (class forward: more rows than MAX_ROWS would be; here chunks of 16), decode and a chunked prompt."""
+    monkeypatch.setenv(fused_layers.SWITCH, "force")
+    model = llama()
+    llm = new_llm(model)
+    assert len(llm.engine.runner.layers.layers) == model.config.num_hidden_layers
+    assert_hf(llm, model)
+    assert calls["fused"] > 0 and all(c is not None for c in copies(model))
+
+
+def test_the_copies_follow_every_change_of_the_weights(monkeypatch, calls):
+    monkeypatch.setenv(fused_layers.SWITCH, "force")
+    model = llama()
+    llm = new_llm(model)
+    assert_hf(llm, model)
+    first = copies(model)[0]
+    weight = model.model.layers[0].mlp.down_proj.weight
+    sampled = {s + i for r in first.records[6:] for s in r.starts for i in range(packed_linear.PIECE)}
+    spot = next(i for i in range(weight.numel()) if i not in sampled)
+    with torch.no_grad():  # in place, where the samples do not look: the version counter moves
+        weight.view(-1)[spot] += 4.0
+    llm.engine.scheduler.set_context(object())  # new K/V only (kv_context cannot see the edit)
+    assert_hf(llm, model)
+    second = copies(model)[0]
+    assert second is not first and second is not None
+    k_proj = model.model.layers[0].self_attn.k_proj
+    with torch.no_grad():  # through .data: no version change; the sampled entries catch it
+        k_proj.weight.data.copy_(torch.randn(k_proj.weight.shape))
+    llm.engine.scheduler.set_context(object())
+    assert_hf(llm, model)
+    assert copies(model)[0] is not second
+
+
+def test_reset_prefix_cache_drops_the_copies(monkeypatch):
+    monkeypatch.setenv(fused_layers.SWITCH, "force")
+    model = llama()
+    llm = new_llm(model)
+    engine_tokens(llm)
+    assert all(c is not None for c in copies(model))
+    llm.reset_prefix_cache()
+    assert all(c is None for c in copies(model))
+
+
+def test_a_hook_on_any_part_keeps_the_class_forward(monkeypatch, calls):
+    monkeypatch.setenv(fused_layers.SWITCH, "force")
+    model = llama()
+    seen = []
+    handle = model.model.layers[1].mlp.up_proj.register_forward_hook(lambda *a: seen.append(1))
+    llm = new_llm(model)
+    assert_hf(llm, model)
+    assert seen and calls["fused"] > 0  # the other layer took the fused path, the hooked one the class forward
+    assert fused_layers._COPIES.get(model.model.layers[1]) is None
+    handle.remove()
+    seen.clear()
+    engine_tokens(llm)
+    assert not seen and fused_layers._COPIES.get(model.model.layers[1]) is not None
+
+
+def test_over_the_memory_budget_the_class_forward_runs(monkeypatch, calls):
+    monkeypatch.setenv(fused_layers.SWITCH, "force")
+    monkeypatch.setattr(packed_linear, "_budget", [0])
+    model = llama()
+    assert_hf(new_llm(model), model)
+    assert calls["fused"] == 0 and all(c is None for c in copies(model))
+
+
+def test_switched_off_it_finds_no_layer(monkeypatch):
+    model = llama()
+    assert len(FusedLayers(model).layers) == model.config.num_hidden_layers
+    monkeypatch.setenv(fused_layers.SWITCH, "0")
+    assert FusedLayers(model).layers == []
+
+
+def test_projections_an_adapter_wraps_are_not_fused():
+    pytest.importorskip("peft")
+    import test_peft
+
+    model = test_peft.peft_model()
+    assert FusedLayers(model).layers == []
+
+
+@pytest.mark.parametrize("fused_cost, chosen", [(1.0, fused_layers.FUSED), (5.0, fused_layers.CLASS)])
+def test_the_trial_keeps_the_class_forward_unless_the_fused_one_is_faster(monkeypatch, fused_cost, chosen):
+    monkeypatch.setenv("HF_PAGED_SMALL_LINEARS", "0")  # no trials of the projections' own products meanwhile
+    clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
+    monkeypatch.setattr(linear_choice, "clock", clock)
+    for attribute, cost in (("_fused", fused_cost), ("_class", 3.0)):
+        real = getattr(fused_layers, attribute)
+
+        def charged(*args, real=real, cost=cost):
+            clock.now += cost
+            return real(*args)
+        monkeypatch.setattr(fused_layers, attribute, charged)
+    model = llama()
+    llm = new_llm(model)
+    assert_hf(llm, model)
+    made = {c.path for k, c in TABLE.choices.items() if k.dtype == "layer"}
+    assert made == {chosen}
+    assert all((c is not None) == (chosen == fused_layers.FUSED) for c in copies(model))

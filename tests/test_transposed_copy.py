@@ -164,6 +164,7 @@ def test_transposed_copies_leave_half_the_budget_to_the_other_copies(monkeypatch
     for name, store in zip(("_COPIES", "_INT8", "_TRANSPOSED"), stores):
         monkeypatch.setattr(packed_linear, name, store)
     monkeypatch.setattr(packed_linear, "STORES", tuple(stores))
+    monkeypatch.setattr(packed_linear, "EXTRA_STORES", [])
     torch.manual_seed(0)
     net = torch.nn.Linear(64, 96)
     size = net.weight.numel() * 4

@@ -45,7 +45,8 @@ def print_small_linears(results: list[dict]) -> None:
               f"{'all rounds chose alike' if same else 'rounds chose differently'}): {status}")
         choices = r["small_linears"]["choices"]
         names = [name for name in PRODUCT_LABELS if any(name in c["us"] for c in choices)]
-        rows = [[f"{c['shape'][0]}x{c['shape'][1]}", c.get("dtype", "float32"), c["rows"], c["threads"], c["path"],
+        rows = [[f"layer of {c['shape'][0]}" if c.get("dtype") == "layer" else f"{c['shape'][0]}x{c['shape'][1]}",
+                 c.get("dtype", "float32"), c["rows"], c["threads"], c["path"],
                  *(c["us"].get(name) for name in names), c["probe_ms"]] for c in choices]
         if rows:
             print(format_table(["weight", "dtype", "rows <=", "threads", "chosen",
@@ -54,9 +55,9 @@ def print_small_linears(results: list[dict]) -> None:
 
 # the products a measured linear chooses from: fp32 (model/small_linear.py) and bf16 (model/packed_linear.py); a
 # greedy step's LM head (dtype "greedy", model/greedy_head.py): its bf16 or int8 screen or its usual product and the
-# argmax
+# argmax; a Llama-coded decoder layer (dtype "layer", model/fused_layers.py): its class forward or the fused one
 PRODUCT_LABELS = {"kernel": "kernel", "w_xt": "W @ x^T", "wt_copy": "x @ W^T copy", "packed": "packed",
-                  "f_linear": "F.linear",
+                  "f_linear": "F.linear", "class": "layer's class forward", "fused": "fused layer",
                   "screen": "bf16 screen", "screen_i8": "int8 screen", "logits": "head + argmax"}
 
 

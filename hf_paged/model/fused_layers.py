@@ -92,10 +92,13 @@ class LayerCopies:
 
 
 def copies_for(layer: torch.nn.Module, weights: list[torch.Tensor]) -> LayerCopies | None:
-    """`layer`'s copies of `weights` as they are now (made again if they changed), or None: over the budget."""
+    """`layer`'s copies of `weights` as they are now (made again if they changed), or None: over the budget, or
+    weights a transposed copy does not take (`packed_linear.weight_packable`: no longer fp32 CPU parameters, ...)."""
     copies = _COPIES.get(layer)
     if copies is not None and copies.matches(weights):
         return copies
+    if not all(packed_linear.weight_packable(w, packed_linear.TRANSPOSED) for w in weights):  # cast, moved, ...
+        return None
     with packed_linear._LOCK:
         _COPIES.pop(layer, None)
         need = sum(w.numel() * w.element_size() for w in weights)

@@ -132,7 +132,8 @@ class Samples:
         has other storage is dropped alone (it would be made again on its next call anyway)."""
         live = [(layer, c, mods) for layer, mods in zip(layers, projections_of)
                 if (c := _COPIES.get(layer)) is not None]
-        moved = [layer for layer, c, mods in live if not all(r.same_storage(m.weight) for r, m in zip(c.records, mods))]
+        moved = [layer for layer, c, mods in live
+                 if not all(r.same_storage(m.weight) for r, m in zip(c.records, mods))]
         if moved:
             forget(moved)
             live = [entry for entry in live if entry[0] not in moved]
@@ -206,10 +207,10 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     chosen = TABLE.fast.get(key) if name is None else FUSED
     if chosen == CLASS:
         return _class(self, cache, *args)
+    if chosen is None and _projection_trials_open(mods, key.rows):  # theirs first: the class forward timed as it runs
+        return _class(self, cache, *args)
     copies = copies_for(self, [m.weight for m in mods])
     if chosen is None:
-        if _projection_trials_open(mods, key.rows):  # their choices first: the class forward is timed as it will run
-            return _class(self, cache, *args)
         name, chosen = TABLE.pick(key, {CLASS: CLASS, FUSED: FUSED})
         if chosen == FUSED and copies is None:  # over the budget: this candidate is out, this call untimed
             TABLE.record(key, name, float("inf"), baseline=CLASS)
@@ -236,7 +237,8 @@ def _after_choice(key: Key) -> None:
     if not fused:
         forget(layers)
         return
-    same = [mods for _, mods in THIS_THREAD.fused_layers.values() if layer_shape([m.weight for m in mods]) == key.shape]
+    same = [mods for _, mods in THIS_THREAD.fused_layers.values()
+            if layer_shape([m.weight for m in mods]) == key.shape]
     packed_linear.forget([m for mods in same for m in mods], (packed_linear.TRANSPOSED,))
 
 

@@ -173,7 +173,7 @@ class ModelRunner:
                                       group_metadata=group_metadata, layer_calls=self.layer_calls)
         kwargs = {}
         if sample_rows is not None and self.spec.accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = sample_rows
+            kwargs["logits_to_keep"] = context.rows_read = sample_rows
         if token_type_ids is not None:
             kwargs["token_type_ids"] = token_type_ids
         rows = input_ids.shape[-1]

@@ -27,7 +27,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import functools
 import os
 import types
 import weakref
@@ -35,7 +34,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import layer_code, packed_linear
+from . import layer_code, packed_linear, read_rows
 from .fused_norms import swapped_forwards
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
@@ -151,15 +150,6 @@ class Samples:
         return False
 
 
-@functools.lru_cache(maxsize=1)
-def _attention_lookup() -> tuple:
-    """transformers' attention-function registry and the Llama code's default (eager) attention."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    return ALL_ATTENTION_FUNCTIONS, eager_attention_forward
-
-
 def _fused(parts: tuple, copies: LayerCopies, hidden_states, attention_mask, position_ids, use_cache,
            position_embeddings, kwargs):
     attention, mlp, norm1, norm2, rotary = parts
@@ -167,17 +157,9 @@ def _fused(parts: tuple, copies: LayerCopies, hidden_states, attention_mask, pos
     shape = hidden_states.shape
     residual = hidden_states.reshape(-1, shape[-1])
     h = layer_code.call(norm1, hidden_states).reshape(-1, shape[-1])
-    qkv = torch.mm(h, copies.qkv)
-    hidden_shape = (*shape[:-1], -1, attention.head_dim)
-    query = qkv[:, :nq].view(hidden_shape).transpose(1, 2)
-    key = qkv[:, nq:nq + nk].view(hidden_shape).transpose(1, 2)
-    value = qkv[:, nq + nk:].view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query, key = layer_code.call(rotary, query, key, cos, sin)
-    functions, eager = _attention_lookup()
-    interface = functions.get_interface(attention.config._attn_implementation, eager)
-    out, _ = interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
-                       position_ids=position_ids, use_cache=use_cache, **kwargs)
+    qkv = torch.mm(h, copies.qkv).view(*shape[:-1], -1)
+    out = read_rows.attend(attention, rotary, qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:],
+                           attention_mask, position_ids, use_cache, position_embeddings, kwargs)
     residual = torch.addmm(residual, out.reshape(residual.shape[0], -1), copies.o)
     h = layer_code.call(norm2, residual.view(shape)).reshape(-1, shape[-1])
     gate_up = torch.mm(h, copies.gate_up)
@@ -198,9 +180,14 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     """The swapped-in forward (module docstring): the fused path where it applies and is chosen, else the class's."""
     found = THIS_THREAD.fused_layers.get(id(self))
     args = (hidden_states, attention_mask, position_ids, use_cache, position_embeddings, kwargs)
-    if found is None or not _takes(self, hidden_states, cache, kwargs):
+    if found is None:
         return _class(self, cache, *args)
-    parts, mods = found
+    parts, mods, last = found
+    rows_read = read_rows.takes(self, hidden_states, cache, kwargs) if last else None
+    if rows_read is not None:  # the model's last layer in a step whose head reads fewer rows: only those
+        return read_rows.forward_read_rows(parts, rows_read, *args)
+    if mods is None or not _takes(self, hidden_states, cache, kwargs):
+        return _class(self, cache, *args)
     rows = hidden_states.numel() // hidden_states.shape[-1]
     key = Key(layer_shape([m.weight for m in mods]), "layer", BUCKET_OF[rows], torch.get_num_threads(), False)
     name = FUSED if mode() == "force" else None
@@ -237,8 +224,8 @@ def _after_choice(key: Key) -> None:
     if not fused:
         forget(layers)
         return
-    same = [mods for _, mods in THIS_THREAD.fused_layers.values()
-            if layer_shape([m.weight for m in mods]) == key.shape]
+    same = [mods for _, mods, _ in THIS_THREAD.fused_layers.values()
+            if mods is not None and layer_shape([m.weight for m in mods]) == key.shape]
     packed_linear.forget([m for mods in same for m in mods], (packed_linear.TRANSPOSED,))
 
 
@@ -254,35 +241,42 @@ def _class(self, cache, hidden_states, attention_mask, position_ids, use_cache, 
 
 
 class FusedLayers:
-    """The model's Llama-coded decoder layers with plain fp32 CPU projections, found once; `active()` is a context
-    for one forward."""
+    """The model's Llama-coded decoder layers with plain fp32 CPU projections, and its last layer where `read_rows`
+    may skip rows, found once; `active()` is a context for one forward."""
 
     def __init__(self, model: torch.nn.Module):
         on = mode() != "off"
         found = [(m, p) for m in (model.modules() if on else ()) for p in [layer_code.llama_parts(m)]
                  if p is not None and _plain_linears(projections(p))]
-        self.layers = [m for m, _ in found]
         # per layer: its parts, its projections and everything whose call the fused forward makes directly or skips
         self.found = [(m, p, projections(p), [*p, p[1].act_fn, *projections(p)]) for m, p in found]
-        self.forwards = [types.MethodType(fused_layer_forward, m) for m in self.layers]
+        self.layers = [m for m, _ in found]
+        self.tail = read_rows.last_layer(model) if read_rows.mode() != "off" else None  # (layer, parts, base, norm)
+        swapped = self.layers + ([self.tail[0]] if self.tail and self.tail[0] not in self.layers else [])
+        self.forwards = {id(m): (m, types.MethodType(fused_layer_forward, m)) for m in swapped}
         self.samples = Samples()
 
     @contextmanager
     def active(self):
-        """The fused forwards on for one forward pass of this thread, for the layers whose parts are still the ones
-        found (`_unchanged`) and plain (`layer_code.plain_calls`); their copies checked first (`Samples`)."""
-        ready = {id(layer): (parts, mods) for layer, parts, mods, calls in self.found
+        """The swapped forwards on for one forward pass of this thread: the fused one for the layers whose parts are
+        still the ones found (`_unchanged`) and plain (`layer_code.plain_calls`), their copies checked first
+        (`Samples`); the last layer's rows read (`read_rows`) where its checks hold."""
+        ready = {id(layer): (parts, mods, False) for layer, parts, mods, calls in self.found
                  if _unchanged(layer, parts, mods, calls) and layer_code.plain_calls(calls)}
+        tail = self.tail
+        if tail is not None and read_rows.unchanged(tail) and layer_code.plain_calls(read_rows.watched(tail)):
+            parts, mods, _ = ready.get(id(tail[0]), (tail[1], None, True))
+            ready[id(tail[0])] = (parts, mods, True)
         if not ready:
             yield
             return
         before = THIS_THREAD.fused_layers
         THIS_THREAD.fused_layers = {**before, **ready}
         try:
-            layers = [m for m in self.layers if id(m) in ready]
-            self.samples.check(layers, [ready[id(m)][1] for m in layers])
-            with swapped_forwards(layers, [f for m, f in zip(self.layers, self.forwards) if id(m) in ready],
-                                  frozenset()):
+            fused = [m for m in self.layers if ready.get(id(m), (0, None))[1] is not None]
+            self.samples.check(fused, [ready[id(m)][1] for m in fused])
+            pairs = [pair for key, pair in self.forwards.items() if key in ready]
+            with swapped_forwards([m for m, _ in pairs], [f for _, f in pairs], frozenset()):
                 yield
         finally:
             THIS_THREAD.fused_layers = before

@@ -24,9 +24,10 @@ import torch
 from .fused_norms import _same_code, is_llama_rms_norm
 
 # sha256 (first 16 hex digits) of each unwrapped forward's source (stripped lines, decorators left out): transformers
-# 5.25's, which fused_layers' forward mirrors
+# 5.25's, which fused_layers' and read_rows' forwards mirror or rely on
 KNOWN_SOURCES = {"LlamaDecoderLayer": "f71062a878a1e9a8", "LlamaAttention": "188c5c14bdfa4bc9",
-                 "LlamaMLP": "1923407024d5de0b"}
+                 "LlamaMLP": "1923407024d5de0b", "LlamaModel": "139ef35b1e72fbfb",
+                 "LlamaForCausalLM": "9b1e78989284c360"}
 ROTARY = "apply_rotary_pos_emb"  # the global name the attention code calls
 
 
@@ -53,7 +54,7 @@ def references() -> dict | None:
     return found
 
 
-def _code_is(cls, name: str) -> bool:
+def code_is(cls, name: str) -> bool:
     forward = getattr(cls, "forward", None)
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
     return code is not None and _same_code(code, references()[name])
@@ -78,12 +79,12 @@ def rotary_call(attention: torch.nn.Module):
 
 def llama_parts(layer: torch.nn.Module) -> tuple | None:
     """(attention, mlp, input norm, post-attention norm, rotary) of a Llama-coded decoder layer, else None."""
-    if references() is None or not _code_is(type(layer), "LlamaDecoderLayer"):
+    if references() is None or not code_is(type(layer), "LlamaDecoderLayer"):
         return None
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norms = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
-    if not (isinstance(attention, torch.nn.Module) and _code_is(type(attention), "LlamaAttention")
-            and isinstance(mlp, torch.nn.Module) and _code_is(type(mlp), "LlamaMLP")
+    if not (isinstance(attention, torch.nn.Module) and code_is(type(attention), "LlamaAttention")
+            and isinstance(mlp, torch.nn.Module) and code_is(type(mlp), "LlamaMLP")
             and all(isinstance(n, torch.nn.Module) and is_llama_rms_norm(n) for n in norms)):
         return None
     rotary = rotary_call(attention)

@@ -34,6 +34,9 @@ class PagedForwardContext:
     # id(attention module) -> (module, its LayerCall): what a module's calls need that never changes between steps,
     # found on its first call; the engine hands the same dict to every step (a new dict: found again)
     layer_calls: dict = field(default_factory=dict)
+    # the packed rows whose final hidden states the LM head reads (the `logits_to_keep` the engine passed; None: every
+    # row): the last layer may compute only those after its attention (read_rows.py)
+    rows_read: object = None
 
     def metadata_of(self, layer: int) -> AttentionMetadata:
         """The metadata layer `layer` reads and writes its pages with."""

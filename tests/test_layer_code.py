@@ -17,6 +17,14 @@ def test_llama_layers_are_found_and_other_layer_code_is_not():
     assert layer_code.llama_parts(llama.model.layers[0].mlp) is None  # not a decoder layer
 
 
+def test_causal_lm_code_but_for_its_docstring():
+    """Mistral's causal-LM forward is Llama's but for the docstring's example; gpt2's is another code."""
+    mistral, gpt2 = type(tiny_model("mistral")), type(tiny_model("gpt2"))
+    assert not layer_code.code_is(mistral, "LlamaForCausalLM")
+    assert layer_code.code_is(mistral, "LlamaForCausalLM", docstring=False)
+    assert not layer_code.code_is(gpt2, "LlamaForCausalLM", docstring=False)
+
+
 def test_another_transformers_source_of_the_llama_code_turns_it_off(monkeypatch):
     layer = tiny_model("llama").model.layers[0]
     monkeypatch.setitem(layer_code.KNOWN_SOURCES, "LlamaAttention", "0" * 16)

@@ -150,6 +150,22 @@ class Samples:
         return False
 
 
+def _attend(attention: torch.nn.Module, rotary, query, key, value, attention_mask, position_ids, use_cache,
+            position_embeddings, kwargs) -> torch.Tensor:
+    """Llama attention code's part between the projections and o_proj: q / k / v [B, T, heads * D] -> [B, T, H, D]."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    hidden_shape = (*query.shape[:-1], -1, attention.head_dim)
+    query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in (query, key, value))
+    cos, sin = position_embeddings
+    query, key = layer_code.call(rotary, query, key, cos, sin)
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
+    out, _ = interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
+                       position_ids=position_ids, use_cache=use_cache, **kwargs)
+    return out
+
+
 def _fused(parts: tuple, copies: LayerCopies, hidden_states, attention_mask, position_ids, use_cache,
            position_embeddings, kwargs):
     attention, mlp, norm1, norm2, rotary = parts
@@ -158,8 +174,8 @@ def _fused(parts: tuple, copies: LayerCopies, hidden_states, attention_mask, pos
     residual = hidden_states.reshape(-1, shape[-1])
     h = layer_code.call(norm1, hidden_states).reshape(-1, shape[-1])
     qkv = torch.mm(h, copies.qkv).view(*shape[:-1], -1)
-    out = read_rows.attend(attention, rotary, qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:],
-                           attention_mask, position_ids, use_cache, position_embeddings, kwargs)
+    out = _attend(attention, rotary, qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:], attention_mask,
+              position_ids, use_cache, position_embeddings, kwargs)
     residual = torch.addmm(residual, out.reshape(residual.shape[0], -1), copies.o)
     h = layer_code.call(norm2, residual.view(shape)).reshape(-1, shape[-1])
     gate_up = torch.mm(h, copies.gate_up)
@@ -185,7 +201,7 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     parts, mods, last = found
     rows_read = read_rows.takes(self, hidden_states, cache, kwargs) if last else None
     if rows_read is not None:  # the model's last layer in a step whose head reads fewer rows: only those
-        return read_rows.forward_read_rows(parts, rows_read, *args)
+        return read_rows.forward_read_rows(self, rows_read, *args)
     if mods is None or not _takes(self, hidden_states, cache, kwargs):
         return _class(self, cache, *args)
     rows = hidden_states.numel() // hidden_states.shape[-1]
@@ -251,7 +267,7 @@ class FusedLayers:
         # per layer: its parts, its projections and everything whose call the fused forward makes directly or skips
         self.found = [(m, p, projections(p), [*p, p[1].act_fn, *projections(p)]) for m, p in found]
         self.layers = [m for m, _ in found]
-        self.tail = read_rows.last_layer(model) if read_rows.mode() != "off" else None  # (layer, parts, base, norm)
+        self.tail = read_rows.last_layer(model) if read_rows.mode() != "off" else None  # (layer, base, norm, ...)
         swapped = self.layers + ([self.tail[0]] if self.tail and self.tail[0] not in self.layers else [])
         self.forwards = {id(m): (m, types.MethodType(fused_layer_forward, m)) for m in swapped}
         self.samples = Samples()
@@ -265,7 +281,7 @@ class FusedLayers:
                  if _unchanged(layer, parts, mods, calls) and layer_code.plain_calls(calls)}
         tail = self.tail
         if tail is not None and read_rows.unchanged(tail) and layer_code.plain_calls(read_rows.watched(tail)):
-            parts, mods, _ = ready.get(id(tail[0]), (tail[1], None, True))
+            parts, mods, _ = ready.get(id(tail[0]), (None, None, True))
             ready[id(tail[0])] = (parts, mods, True)
         if not ready:
             yield

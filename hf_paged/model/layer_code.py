@@ -26,8 +26,7 @@ from .fused_norms import _same_code, is_llama_rms_norm
 # sha256 (first 16 hex digits) of each unwrapped forward's source (stripped lines, decorators left out): transformers
 # 5.25's, which fused_layers' and read_rows' forwards mirror or rely on
 KNOWN_SOURCES = {"LlamaDecoderLayer": "f71062a878a1e9a8", "LlamaAttention": "188c5c14bdfa4bc9",
-                 "LlamaMLP": "1923407024d5de0b", "LlamaModel": "139ef35b1e72fbfb",
-                 "LlamaForCausalLM": "9b1e78989284c360"}
+                 "LlamaMLP": "1923407024d5de0b", "LlamaForCausalLM": "9b1e78989284c360"}
 ROTARY = "apply_rotary_pos_emb"  # the global name the attention code calls
 
 
@@ -54,10 +53,19 @@ def references() -> dict | None:
     return found
 
 
-def code_is(cls, name: str) -> bool:
+def code_is(cls, name: str, docstring: bool = True) -> bool:
+    """Whether `cls.forward` (under its decorators) has the code of transformers' Llama forward `name` (with
+    `docstring=False`: but for its docstring, which names the model in its example)."""
     forward = getattr(cls, "forward", None)
     code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code is not None and _same_code(code, references()[name])
+    if code is None:
+        return False
+    return _same_code(code, references()[name]) if docstring else _undocumented(code) == _undocumented(references()[name])
+
+
+def _undocumented(code) -> tuple:
+    consts = code.co_consts[1:] if code.co_consts and isinstance(code.co_consts[0], str) else code.co_consts
+    return code.co_code, consts, code.co_names, code.co_varnames
 
 
 @functools.lru_cache(maxsize=None)

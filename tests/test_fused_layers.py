@@ -2,6 +2,8 @@
 tokens; the copies follow every change of the weights (version counter, sampled values) and the memory budget; a hook
 on any part, an adapter, another transformers code or the switch keeps the class forward; the path is chosen only by
 its trial. Speeds are never measured here: a fake clock advances by fixed costs."""
+import copy
+
 import pytest
 import torch
 
@@ -52,9 +54,10 @@ def assert_hf(llm, model, prompts=PROMPTS):
     assert engine_tokens(llm, prompts) == [hf_tokens(model, p) for p in prompts]
 
 
-def llama(sharpen_attention: float = 6.0):
-    """The tiny Llama with peaked attention: its tokens depend on what each layer's attention computes."""
-    model = tiny_model("llama")
+def llama(sharpen_attention: float = 6.0, arch: str = "llama"):
+    """The tiny Llama (or another model with Llama's layer code) with peaked attention: its tokens depend on what each
+    layer's attention computes."""
+    model = tiny_model(arch)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(sharpen_attention)
@@ -77,6 +80,25 @@ def test_an_engine_whose_layers_are_fused_gives_hfs_tokens(monkeypatch, calls):
     assert len(llm.engine.runner.layers.layers) == model.config.num_hidden_layers
     assert_hf(llm, model)
     assert calls["fused"] > 0 and all(c is not None for c in copies(model))
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_mistral_and_qwen3_attention_code_fused_gives_hfs_tokens(monkeypatch, calls, arch):
+    """Mistral's sliding window (8 here: shorter than the prompts) and Qwen3's per-head q / k norms."""
+    monkeypatch.setenv(fused_layers.SWITCH, "force")
+    model = llama(arch=arch)
+    llm = new_llm(model)
+    assert len(llm.engine.runner.layers.layers) == model.config.num_hidden_layers
+    assert_hf(llm, model, PROMPTS + [list(range(3, 40))])
+    assert calls["fused"] > 0
+    if arch == "qwen3":  # a q norm replaced after the engine started: that layer runs the class forward, new norm
+        attention = model.model.layers[0].self_attn
+        replaced = copy.deepcopy(attention.q_norm)
+        with torch.no_grad():
+            replaced.weight.mul_(1.5)
+        attention.q_norm = replaced
+        llm.engine.scheduler.set_context(object())
+        assert_hf(llm, model)
 
 
 def test_the_copies_follow_every_change_of_the_weights(monkeypatch, calls):

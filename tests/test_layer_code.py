@@ -9,10 +9,16 @@ from hf_paged.tiny import tiny_model
 def test_llama_layers_are_found_and_other_layer_code_is_not():
     llama = tiny_model("llama")
     for layer in llama.model.layers:
-        attention, mlp, norm1, norm2, rotary = layer_code.llama_parts(layer)
+        attention, mlp, norm1, norm2, rotary, code, qk = layer_code.llama_parts(layer)
         assert attention is layer.self_attn and mlp is layer.mlp and norm1 is layer.input_layernorm
         assert norm2 is layer.post_attention_layernorm and rotary is layer_code.rotary_call(attention)
-    for arch in ("mistral", "qwen2", "qwen3"):  # attention code with a sliding window or q / k norms
+        assert code == "LlamaAttention" and qk == ()
+    for arch, code in (("mistral", "MistralAttention"), ("qwen3", "Qwen3Attention")):
+        for layer in tiny_model(arch).model.layers:
+            parts = layer_code.llama_parts(layer)
+            assert parts[5] == code and parts[6] == (() if arch == "mistral" else
+                                                     (layer.self_attn.q_norm, layer.self_attn.k_norm))
+    for arch in ("qwen2", "phi3", "gemma2"):  # attention or layer code not mirrored
         assert all(layer_code.llama_parts(layer) is None for layer in tiny_model(arch).model.layers)
     assert layer_code.llama_parts(llama.model.layers[0].mlp) is None  # not a decoder layer
 

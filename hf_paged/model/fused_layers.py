@@ -1,12 +1,14 @@
-"""Llama-coded decoder layers of few-row CPU steps in fewer, larger products (q, k and v in one; gate and up in one;
-each residual add inside its output product), measured against the class forward on the machine.
+"""Llama-coded decoder layers (Llama's, Mistral's or Qwen3's attention code) of few-row CPU steps in fewer, larger
+products (q, k and v in one; gate and up in one; each residual add inside its output product), measured against the
+class forward on the machine.
 
 A 64-row decode step of a small fp32 model spends much of its time between products: a dozen module calls a layer,
 each through `nn.Module.__call__`, seven product dispatches, the residual adds. For a layer whose code is
 transformers' Llama layer (`layer_code.llama_parts`) whose seven projections are plain bias-free fp32 CPU
-`nn.Linear`s, `fused_layer_forward` makes the class code's calls of the norms, the rotary function and the attention
-function (their forwards: hf_paged's fused norm and rotary passes where swapped in), and computes the projections
-from copies of the weights, transposed and joined (`LayerCopies`): h @ [Wq; Wk; Wv]^T in one product, residual +
+`nn.Linear`s, `fused_layer_forward` makes the class code's calls of the norms (Qwen3's q / k norms too), the rotary
+function and the attention function (with the sliding window Mistral's and Qwen3's code pass; their forwards:
+hf_paged's fused norm and rotary passes where swapped in), and computes the projections from copies of the weights,
+transposed and joined (`LayerCopies`): h @ [Wq; Wk; Wv]^T in one product, residual +
 o @ Wo^T in one (`addmm`), h @ [Wgate; Wup]^T in one, act(gate) * up, residual + that @ Wdown^T. The same sums as
 the class forward's, in another order (like any other choice of product); nothing else.
 
@@ -150,32 +152,41 @@ class Samples:
         return False
 
 
-def _attend(attention: torch.nn.Module, rotary, query, key, value, attention_mask, position_ids, use_cache,
-            position_embeddings, kwargs) -> torch.Tensor:
-    """Llama attention code's part between the projections and o_proj: q / k / v [B, T, heads * D] -> [B, T, H, D]."""
+def _attend(attention: torch.nn.Module, code: str, qk: tuple, rotary, query, key, value, attention_mask, position_ids,
+            use_cache, position_embeddings, kwargs) -> torch.Tensor:
+    """The attention code's part between the projections and o_proj (`code`: which of layer_code.ATTENTION_CODES; `qk`:
+    Qwen3's q and k norms): q / k / v [B, T, heads * D] -> [B, T, H, D]."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     hidden_shape = (*query.shape[:-1], -1, attention.head_dim)
-    query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in (query, key, value))
+    query, key, value = (t.view(hidden_shape) for t in (query, key, value))
+    if qk:
+        query, key = layer_code.call(qk[0], query), layer_code.call(qk[1], key)
+    query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     cos, sin = position_embeddings
     query, key = layer_code.call(rotary, query, key, cos, sin)
+    window = {}
+    if code == "MistralAttention":
+        window["sliding_window"] = getattr(attention.config, "sliding_window", None)
+    elif code == "Qwen3Attention":
+        window["sliding_window"] = attention.sliding_window
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
-    out, _ = interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling,
+    out, _ = interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **window,
                        position_ids=position_ids, use_cache=use_cache, **kwargs)
     return out
 
 
 def _fused(parts: tuple, copies: LayerCopies, hidden_states, attention_mask, position_ids, use_cache,
            position_embeddings, kwargs):
-    attention, mlp, norm1, norm2, rotary = parts
+    attention, mlp, norm1, norm2, rotary, code, qk = parts
     nq, nk, ni = copies.widths
     shape = hidden_states.shape
     residual = hidden_states.reshape(-1, shape[-1])
     h = layer_code.call(norm1, hidden_states).reshape(-1, shape[-1])
     qkv = torch.mm(h, copies.qkv).view(*shape[:-1], -1)
-    out = _attend(attention, rotary, qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:], attention_mask,
-              position_ids, use_cache, position_embeddings, kwargs)
+    out = _attend(attention, code, qk, rotary, qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:],
+                  attention_mask, position_ids, use_cache, position_embeddings, kwargs)
     residual = torch.addmm(residual, out.reshape(residual.shape[0], -1), copies.o)
     h = layer_code.call(norm2, residual.view(shape)).reshape(-1, shape[-1])
     gate_up = torch.mm(h, copies.gate_up)
@@ -265,7 +276,7 @@ class FusedLayers:
         found = [(m, p) for m in (model.modules() if on else ()) for p in [layer_code.llama_parts(m)]
                  if p is not None and _plain_linears(projections(p))]
         # per layer: its parts, its projections and everything whose call the fused forward makes directly or skips
-        self.found = [(m, p, projections(p), [*p, p[1].act_fn, *projections(p)]) for m, p in found]
+        self.found = [(m, p, projections(p), [*p[:5], p[1].act_fn, *projections(p), *p[6]]) for m, p in found]
         self.layers = [m for m, _ in found]
         self.tail = read_rows.last_layer(model) if read_rows.mode() != "off" else None  # (layer, base, norm, ...)
         swapped = self.layers + ([self.tail[0]] if self.tail and self.tail[0] not in self.layers else [])
@@ -304,8 +315,9 @@ class FusedLayers:
 def _unchanged(layer, parts: tuple, mods: list, calls: list) -> bool:
     """The layer still holds the parts found (its projections bias-free plain linears: a weight is checked against
     its copy on every call), and its attention code still calls the same rotary object."""
-    attention, mlp, norm1, norm2, rotary = parts
+    attention, mlp, norm1, norm2, rotary, code, qk = parts
     return (layer.self_attn is attention and layer.mlp is mlp and layer.input_layernorm is norm1
+            and (not qk or (attention.q_norm is qk[0] and attention.k_norm is qk[1]))
             and layer.post_attention_layernorm is norm2 and mlp.act_fn is calls[5] and projections(parts) == mods
             and all(type(m) is torch.nn.Linear and m.bias is None for m in mods)
             and layer_code.rotary_call(attention) is rotary)

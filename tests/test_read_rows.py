@@ -42,6 +42,17 @@ def llama(arch="llama"):
     return model
 
 
+class Scaled(torch.nn.Module):
+    """A projection of another kind than nn.Linear (as an adapter or a quantized linear would be)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 1.25
+
+
 def hf_tokens(model, prompt, n=8):
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
@@ -119,6 +130,12 @@ def test_a_replaced_part_or_another_model_code_keeps_the_class_forward(calls, mo
     model.model.norm = type(model.model.norm)(model.config.hidden_size, eps=model.config.rms_norm_eps)
     assert not read_rows.unchanged(found)
     assert engine_tokens(model, llm=llm) == [hf_tokens(model, p) for p in PROMPTS]
+    assert calls == []
+    adapted = llama()
+    llm = hf_paged.LLM(adapted, block_size=4, max_num_batched_tokens=16)
+    mlp = adapted.model.layers[-1].mlp
+    mlp.up_proj = Scaled(mlp.up_proj)  # a projection of another kind: it might mix rows
+    assert engine_tokens(adapted, llm=llm) == [hf_tokens(adapted, p) for p in PROMPTS]
     assert calls == []
     assert read_rows.last_layer(tiny_model("gemma2")) is None  # Gemma's model and norm code: not the ones checked
     assert read_rows.last_layer(tiny_model("phi3")) is None  # a base model code checked, another decoder layer code

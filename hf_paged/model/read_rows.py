@@ -83,11 +83,15 @@ def watched(found: tuple) -> list:
 
 
 def unchanged(found: tuple) -> bool:
-    """The layer still holds the MLP and norm found, and the base model the layer and the final norm."""
+    """The layer still holds the MLP and norm found, and the base model the layer and the final norm; the MLP's
+    projections are plain `nn.Linear`s of plain tensors (a quantized or adapted projection might compute a row from
+    other rows, e.g. with one activation scale for the whole step)."""
     layer, base, norm, mlp, norm2 = found
     count = base.config.num_hidden_layers
     return (layer.mlp is mlp and layer.post_attention_layernorm is norm2 and base.norm is norm
-            and len(base.layers) >= count and base.layers[count - 1] is layer)
+            and len(base.layers) >= count and base.layers[count - 1] is layer
+            and all(type(m) is torch.nn.Linear and type(m.weight.data) is torch.Tensor
+                    for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
 
 
 def takes(layer: torch.nn.Module, hidden_states: torch.Tensor, cache, kwargs: dict) -> torch.Tensor | None:

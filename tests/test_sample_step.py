@@ -50,3 +50,17 @@ def test_a_failing_hook_ends_only_the_requests_it_samples():
     assert results[1].token == 1 and results[1].error is None
     assert [r.error for r in (results[0], results[2])] == ["RuntimeError: hook broke"] * 2
     assert not results[0].non_finite and len(broken.seen[0]) == 2  # one call for the hook's two requests
+
+
+def test_bf16_logits_of_a_greedy_step_give_the_float32_picks_and_flags():
+    """A greedy step hands its bf16 logits over uncast: the same first maxima, non-finite rows flagged, and a row whose
+    sum only a bf16 accumulator would overflow is finite."""
+    requests = [make_request() for _ in range(4)]
+    big = torch.finfo(torch.bfloat16).max
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [big, 1e36, 0.0, 0.0], [1.0, float("nan"), 0.0, 0.0],
+                           [-3.0, -2.0, float("-inf"), -2.5]]).to(torch.bfloat16)
+    assert torch.isinf(logits[1].sum()) and torch.isfinite(logits[1].float().sum())
+    results = sample_step(Sampler(torch.device("cpu"), seed=0), requests, logits)
+    want = sample_step(Sampler(torch.device("cpu"), seed=0), requests, logits.float())
+    assert [(r.token, r.error) for r in results] == [(r.token, r.error) for r in want]
+    assert [r.token for r in results] == [1, 0, None, None] and results[2].non_finite and results[3].non_finite

@@ -154,8 +154,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs | PaddedDecode, greedy=None) -> torch.Tensor | None:
-        """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows), or None when
-        the head gave `greedy` its picks instead."""
+        """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows; with `greedy`: in
+        the model's dtype), or None when the head gave `greedy` its picks instead."""
         require_enabled()  # after hf_paged.disable(), also for replayed graphs: HfPagedDisabled, naming enable()
         if isinstance(inputs, PaddedDecode):
             return self.graphs.run(inputs)
@@ -168,7 +168,7 @@ class ModelRunner:
                 greedy=None) -> torch.Tensor | None:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
         decode graphs (captured or not) both run exactly this. With `greedy` (`greedy_step`), None when the LM head
-        gave its picks (`greedy.token_ids`) instead of logits."""
+        gave its picks (`greedy.token_ids`) instead of logits, else the logits in the model's own dtype."""
         context = PagedForwardContext(metadata, self.kv_cache, self.backends, states=states,
                                       group_metadata=group_metadata, layer_calls=self.layer_calls)
         kwargs = {}
@@ -193,7 +193,8 @@ class ModelRunner:
         logits = out.logits[0]
         if sample_rows is not None and not self.spec.accepts_logits_to_keep:
             logits = logits[sample_rows]
-        return logits.float()
+        # a greedy step takes each row's first maximum, which casting bf16 / fp16 logits to float32 does not move
+        return logits if greedy is not None else logits.float()
 
     def _head_picked(self, greedy, logits: torch.Tensor) -> bool:
         """After a forward with `greedy`: whether the head's picks stand for the step's logits. A checking step

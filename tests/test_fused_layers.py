@@ -54,10 +54,10 @@ def assert_hf(llm, model, prompts=PROMPTS):
     assert engine_tokens(llm, prompts) == [hf_tokens(model, p) for p in prompts]
 
 
-def llama(sharpen_attention: float = 6.0, arch: str = "llama"):
+def llama(sharpen_attention: float = 6.0, arch: str = "llama", **overrides):
     """The tiny Llama (or another model with Llama's layer code) with peaked attention: its tokens depend on what each
     layer's attention computes."""
-    model = tiny_model(arch)
+    model = tiny_model(arch, **overrides)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(sharpen_attention)
@@ -82,15 +82,28 @@ def test_an_engine_whose_layers_are_fused_gives_hfs_tokens(monkeypatch, calls):
     assert calls["fused"] > 0 and all(c is not None for c in copies(model))
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
-def test_mistral_and_qwen3_attention_code_fused_gives_hfs_tokens(monkeypatch, calls, arch):
-    """Mistral's sliding window (8 here: shorter than the prompts) and Qwen3's per-head q / k norms."""
+@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
+def test_mistral_qwen2_and_qwen3_attention_code_fused_gives_hfs_tokens(monkeypatch, calls, arch):
+    """Mistral's sliding window (8 here: shorter than the prompts), Qwen2's q / k / v biases (an in-place edit of one
+    followed), Qwen3's per-head q / k norms (one replaced after the engine started)."""
     monkeypatch.setenv(fused_layers.SWITCH, "force")
-    model = llama(arch=arch)
+    # Qwen2: a window of 8 on its first layer, random q / k / v biases (they start at zero)
+    windows = dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    model = llama(arch=arch, **(windows if arch == "qwen2" else {}))
+    if arch == "qwen2":
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0.0, 1.0)
     llm = new_llm(model)
     assert len(llm.engine.runner.layers.layers) == model.config.num_hidden_layers
     assert_hf(llm, model, PROMPTS + [list(range(3, 40))])
     assert calls["fused"] > 0
+    if arch == "qwen2":
+        with torch.no_grad():
+            model.model.layers[0].self_attn.k_proj.bias.add_(2.0)
+        llm.engine.scheduler.set_context(object())
+        assert_hf(llm, model)
     if arch == "qwen3":  # a q norm replaced after the engine started: that layer runs the class forward, new norm
         attention = model.model.layers[0].self_attn
         replaced = copy.deepcopy(attention.q_norm)
@@ -132,6 +145,21 @@ def test_reset_prefix_cache_drops_the_copies(monkeypatch):
     assert all(c is not None for c in copies(model))
     llm.reset_prefix_cache()
     assert all(c is None for c in copies(model))
+
+
+@pytest.mark.parametrize("bias", ["attention_bias", "mlp_bias"])
+def test_biases_the_fused_forward_does_not_add_keep_the_class_forward(monkeypatch, calls, bias):
+    """Llama's attention_bias puts one on o_proj too, mlp_bias on the MLP's: only q / k / v biases are added."""
+    monkeypatch.setenv(fused_layers.SWITCH, "force")
+    model = tiny_model("llama", **{bias: True})
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.5)
+    llm = new_llm(model)
+    assert llm.engine.runner.layers.layers == []
+    assert_hf(llm, model)
+    assert calls["fused"] == 0
 
 
 def test_a_hook_on_any_part_keeps_the_class_forward(monkeypatch, calls):

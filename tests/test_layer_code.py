@@ -13,12 +13,12 @@ def test_llama_layers_are_found_and_other_layer_code_is_not():
         assert attention is layer.self_attn and mlp is layer.mlp and norm1 is layer.input_layernorm
         assert norm2 is layer.post_attention_layernorm and rotary is layer_code.rotary_call(attention)
         assert code == "LlamaAttention" and qk == ()
-    for arch, code in (("mistral", "MistralAttention"), ("qwen3", "Qwen3Attention")):
+    for arch, code in (("mistral", "MistralAttention"), ("qwen2", "Qwen2Attention"), ("qwen3", "Qwen3Attention")):
         for layer in tiny_model(arch).model.layers:
             parts = layer_code.llama_parts(layer)
-            assert parts[5] == code and parts[6] == (() if arch == "mistral" else
+            assert parts[5] == code and parts[6] == (() if arch != "qwen3" else
                                                      (layer.self_attn.q_norm, layer.self_attn.k_norm))
-    for arch in ("qwen2", "phi3", "gemma2"):  # attention or layer code not mirrored
+    for arch in ("phi3", "gemma2"):  # attention or layer code not mirrored
         assert all(layer_code.llama_parts(layer) is None for layer in tiny_model(arch).model.layers)
     assert layer_code.llama_parts(llama.model.layers[0].mlp) is None  # not a decoder layer
 

@@ -1,12 +1,13 @@
-"""Llama-coded decoder layers (Llama's, Mistral's or Qwen3's attention code) of few-row CPU steps in fewer, larger
+"""Llama-coded decoder layers (Llama's, Mistral's, Qwen2's or Qwen3's attention) of few-row CPU steps in fewer, larger
 products (q, k and v in one; gate and up in one; each residual add inside its output product), measured against the
 class forward on the machine.
 
 A 64-row decode step of a small fp32 model spends much of its time between products: a dozen module calls a layer,
 each through `nn.Module.__call__`, seven product dispatches, the residual adds. For a layer whose code is
-transformers' Llama layer (`layer_code.llama_parts`) whose seven projections are plain bias-free fp32 CPU
-`nn.Linear`s, `fused_layer_forward` makes the class code's calls of the norms (Qwen3's q / k norms too), the rotary
-function and the attention function (with the sliding window Mistral's and Qwen3's code pass; their forwards:
+transformers' Llama layer (`layer_code.llama_parts`) whose seven projections are plain fp32 CPU `nn.Linear`s
+without biases (but q, k and v all with theirs: Qwen2's, added inside the joined product), `fused_layer_forward` makes
+the class code's calls of the norms (Qwen3's q / k norms too), the rotary function and the attention function (with
+the sliding window Mistral's, Qwen2's and Qwen3's code pass; their forwards:
 hf_paged's fused norm and rotary passes where swapped in), and computes the projections from copies of the weights,
 transposed and joined (`LayerCopies`): h @ [Wq; Wk; Wv]^T in one product, residual +
 o @ Wo^T in one (`addmm`), h @ [Wgate; Wup]^T in one, act(gate) * up, residual + that @ Wdown^T. The same sums as
@@ -65,8 +66,20 @@ def layer_shape(weights: list[torch.Tensor]) -> tuple:
 
 
 def _plain_linears(modules: list) -> bool:
-    return all(type(m) is torch.nn.Linear and m.bias is None
-               and packed_linear.weight_packable(m.weight, packed_linear.TRANSPOSED) for m in modules)
+    return all(type(m) is torch.nn.Linear and packed_linear.weight_packable(m.weight, packed_linear.TRANSPOSED)
+               for m in modules) and _biases_plain(modules)
+
+
+def _biases_plain(modules: list) -> bool:
+    """No bias but on q, k and v, and there all three or none, each an fp32 CPU tensor of its output's size (Qwen2's
+    attention has them): read where they are on every call, joined for the one product."""
+    biases = [m.bias for m in modules]
+    if any(b is not None for b in biases[3:]):
+        return False
+    if all(b is None for b in biases[:3]):
+        return True
+    return all(b is not None and b.dtype is torch.float32 and b.is_cpu and b.dim() == 1 and b.shape[0] == m.out_features
+               and type(b.data) is torch.Tensor for b, m in zip(biases[:3], modules[:3]))
 
 
 class LayerCopies:
@@ -169,7 +182,7 @@ def _attend(attention: torch.nn.Module, code: str, qk: tuple, rotary, query, key
     window = {}
     if code == "MistralAttention":
         window["sliding_window"] = getattr(attention.config, "sliding_window", None)
-    elif code == "Qwen3Attention":
+    elif code in ("Qwen2Attention", "Qwen3Attention"):
         window["sliding_window"] = attention.sliding_window
     interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
     out, _ = interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **window,
@@ -184,7 +197,12 @@ def _fused(parts: tuple, copies: LayerCopies, hidden_states, attention_mask, pos
     shape = hidden_states.shape
     residual = hidden_states.reshape(-1, shape[-1])
     h = layer_code.call(norm1, hidden_states).reshape(-1, shape[-1])
-    qkv = torch.mm(h, copies.qkv).view(*shape[:-1], -1)
+    q_bias = attention.q_proj.bias
+    if q_bias is None:
+        qkv = torch.mm(h, copies.qkv)
+    else:  # as F.linear adds a bias: inside the product
+        qkv = torch.addmm(torch.cat([q_bias, attention.k_proj.bias, attention.v_proj.bias]), h, copies.qkv)
+    qkv = qkv.view(*shape[:-1], -1)
     out = _attend(attention, code, qk, rotary, qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:],
                   attention_mask, position_ids, use_cache, position_embeddings, kwargs)
     residual = torch.addmm(residual, out.reshape(residual.shape[0], -1), copies.o)
@@ -319,5 +337,5 @@ def _unchanged(layer, parts: tuple, mods: list, calls: list) -> bool:
     return (layer.self_attn is attention and layer.mlp is mlp and layer.input_layernorm is norm1
             and (not qk or (attention.q_norm is qk[0] and attention.k_norm is qk[1]))
             and layer.post_attention_layernorm is norm2 and mlp.act_fn is calls[5] and projections(parts) == mods
-            and all(type(m) is torch.nn.Linear and m.bias is None for m in mods)
+            and all(type(m) is torch.nn.Linear for m in mods) and _biases_plain(mods)
             and layer_code.rotary_call(attention) is rotary)

@@ -1,9 +1,9 @@
-"""Which decoder layers run transformers' Llama layer code (with Llama's, Mistral's or Qwen3's attention code), and
-what a direct call of their parts may skip.
+"""Which decoder layers run transformers' Llama layer code (with Llama's, Mistral's, Qwen2's or Qwen3's attention
+code), and what a direct call of their parts may skip.
 
 `fused_layers` computes such a layer's forward itself. That is only the layer's own computation where:
 - the layer's class, its attention's class and its MLP's class have exactly the code of transformers'
-  LlamaDecoderLayer / LlamaAttention (or MistralAttention, Qwen3Attention) / LlamaMLP forwards (bytecode, constants,
+  LlamaDecoderLayer / LlamaAttention (or Mistral's, Qwen2's, Qwen3's) / LlamaMLP forwards (bytecode, constants,
   names; under their decorators), its norms (and Qwen3's q / k norms) RMSNorm-coded (`fused_norms.is_llama_rms_norm`),
   and the installed transformers' code is the one `fused_layers` was written against (`KNOWN_SOURCES`: a hash of each
   forward's source; another transformers version turns the path off until it is checked and the hashes updated);
@@ -28,10 +28,12 @@ from .fused_norms import _same_code, is_llama_rms_norm
 # 5.25's, which fused_layers' and read_rows' forwards mirror or rely on
 KNOWN_SOURCES = {"LlamaDecoderLayer": "f71062a878a1e9a8", "LlamaAttention": "188c5c14bdfa4bc9",
                  "LlamaMLP": "1923407024d5de0b", "LlamaForCausalLM": "9b1e78989284c360",
-                 "MistralAttention": "723ed076636398a0", "Qwen3Attention": "6de7f1c9e04d6f3d"}
-# the attention codes fused_layers mirrors (Llama's; Mistral's passes a sliding window; Qwen3's norms q and k per head
-# first and passes its sliding window), and the transformers module each is defined in
-ATTENTION_CODES = {"LlamaAttention": "llama", "MistralAttention": "mistral", "Qwen3Attention": "qwen3"}
+                 "MistralAttention": "723ed076636398a0", "Qwen2Attention": "9c0d7936d42c57f3",
+                 "Qwen3Attention": "6de7f1c9e04d6f3d"}
+# the attention codes fused_layers mirrors (Llama's; Mistral's and Qwen2's pass a sliding window; Qwen3's norms q and k
+# per head first and passes its sliding window), and the transformers module each is defined in
+ATTENTION_CODES = {"LlamaAttention": "llama", "MistralAttention": "mistral", "Qwen2Attention": "qwen2",
+                   "Qwen3Attention": "qwen3"}
 ROTARY = "apply_rotary_pos_emb"  # the global name the attention code calls
 
 

@@ -10,8 +10,9 @@ from .plan import Sampled
 
 
 def sample_step(sampler: Sampler, requests: list[Request], logits: torch.Tensor) -> list[Sampled]:
-    """`logits[j]` (float32; bf16 / fp16 where every request takes its first maximum) belongs to `requests[j]`. A row with NaN / inf ends its own request only; a hook
-    (`request.controller`, e.g. HF's processors in the generate take-over) that raises ends only its requests.
+    """`logits[j]` (float32; bf16 / fp16 where every request takes its first maximum) belongs to `requests[j]`. A
+    row with NaN / inf ends its own request only; a hook (`request.controller`, e.g. HF's processors in the generate
+    take-over) that raises ends only its requests.
     Changes no request: the scheduler applies the results."""
     results = [Sampled() for _ in requests]
     # NaN/inf anywhere poisons the sum (summed in float32 whatever the logits' dtype)

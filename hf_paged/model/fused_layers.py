@@ -30,6 +30,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import functools
 import os
 import types
 import weakref
@@ -165,13 +166,19 @@ class Samples:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _attention_lookup() -> tuple:
+    """transformers' attention-function registry and the Llama code's default (eager) attention."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    return ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+
+
 def _attend(attention: torch.nn.Module, code: str, qk: tuple, rotary, query, key, value, attention_mask, position_ids,
             use_cache, position_embeddings, kwargs) -> torch.Tensor:
     """The attention code's part between the projections and o_proj (`code`: which of layer_code.ATTENTION_CODES; `qk`:
     Qwen3's q and k norms): q / k / v [B, T, heads * D] -> [B, T, H, D]."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
     hidden_shape = (*query.shape[:-1], -1, attention.head_dim)
     query, key, value = (t.view(hidden_shape) for t in (query, key, value))
     if qk:
@@ -184,7 +191,8 @@ def _attend(attention: torch.nn.Module, code: str, qk: tuple, rotary, query, key
         window["sliding_window"] = getattr(attention.config, "sliding_window", None)
     elif code in ("Qwen2Attention", "Qwen3Attention"):
         window["sliding_window"] = attention.sliding_window
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(attention.config._attn_implementation, eager_attention_forward)
+    functions, eager = _attention_lookup()
+    interface = functions.get_interface(attention.config._attn_implementation, eager)
     out, _ = interface(attention, query, key, value, attention_mask, dropout=0.0, scaling=attention.scaling, **window,
                        position_ids=position_ids, use_cache=use_cache, **kwargs)
     return out

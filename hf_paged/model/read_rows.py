@@ -117,7 +117,7 @@ def forward_read_rows(layer: torch.nn.Module, rows_read: torch.Tensor, hidden_st
     if not rows_read.numel():  # a step of prompt chunks only: their K/V stored, nothing read
         return hidden_states
     width = hidden_states.shape[-1]
-    flat = hidden_states.view(-1, width)
+    flat = hidden_states.reshape(-1, width)  # a view of the (contiguous) step; a copy of any other layout
     residual = flat.index_select(0, rows_read)[None] + h.reshape(-1, width).index_select(0, rows_read)[None]
     out = residual + layer.mlp(layer.post_attention_layernorm(residual))
     return flat.index_copy(0, rows_read, out[0]).view(hidden_states.shape)

@@ -204,13 +204,14 @@ def test_choices_are_keyed_by_shape_bucket_and_thread_count(monkeypatch):
     settle(a, torch.randn(3, 16))  # another thread count
     assert fakes.probes == 4
     run(a.double(), torch.randn(3, 16, dtype=torch.float64))  # not fp32: F.linear, nothing measured
-    run(a.float(), torch.randn(200, 16))  # beyond KERNEL_MAX_ROWS: F.linear, nothing measured
     assert fakes.probes == 4
     keys = sorted((e["shape"][0], e["rows"], e["threads"]) for e in small_linear.small_linear_choices())
     assert keys == [(8, 4, 1), (8, 4, 2), (8, 8, 1), (12, 4, 1)]
     assert set(TABLE.fast) == {Key((8, 16), torch.float32, 4, 1, True), Key((8, 16), torch.float32, 8, 1, True),
                                Key((12, 16), torch.float32, 4, 1, True), Key((8, 16), torch.float32, 4, 2, True)}
     assert not TABLE.trials
+    run(a.float(), torch.randn(200, 16))  # beyond KERNEL_MAX_ROWS: a key of its own, no kernel (onednn_linear)
+    assert fakes.probes == 5 and set(TABLE.trials) == {Key((8, 16), torch.float32, 256, 2, False)}
 
 
 def test_the_trial_runs_each_calls_own_rows_and_draws_no_random_numbers(monkeypatch):
@@ -330,7 +331,7 @@ def test_a_real_trial_picks_one_of_its_candidates_and_keeps_results():
     (entry,) = small_linear.small_linear_choices()
     (choice,) = TABLE.choices.values()
     assert entry["path"] == choice.path and choice.path in choice.seconds
-    assert set(entry["us"]) == {"kernel", "w_xt", "wt_copy", "f_linear"} and entry["probe_ms"] > 0 and not TABLE.trials
+    assert set(entry["us"]) == {"kernel", "w_xt", "wt_copy", "onednn", "f_linear"} and entry["probe_ms"] > 0 and not TABLE.trials
 
 
 def test_a_call_that_chose_f_linear_runs_it_on_the_input_as_given(monkeypatch):

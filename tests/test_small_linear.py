@@ -28,9 +28,10 @@ PRODUCTS = {  # fixture param -> (environment, how small_linear_status() starts)
     "kernel": ({"HF_PAGED_SMALL_LINEARS": "kernel"}, "native kernel (forced"),
     "w_xt": ({"HF_PAGED_SMALL_LINEARS": "w_xt"}, "W @ x^T (forced"),
     "kernel_missing": ({"HF_PAGED_SMALL_LINEARS": "kernel", "HF_PAGED_SMALL_GEMM": "0"}, "W @ x^T (disabled"),
-    "measured": ({}, "native kernel, W @ x^T, x @ (a transposed copy of W) or F.linear, the fastest measured"),
+    "measured": ({}, "native kernel, W @ x^T, x @ (a transposed copy of W), oneDNN's GEMM or F.linear, the fastest "
+                     "measured"),
     "measured_no_kernel": ({"HF_PAGED_SMALL_GEMM": "0"},
-                           "W @ x^T, x @ (a transposed copy of W) or F.linear, the fastest measured"),
+                           "W @ x^T, x @ (a transposed copy of W), oneDNN's GEMM or F.linear, the fastest measured"),
 }
 
 
@@ -53,7 +54,8 @@ def test_the_kernel_builds_here(monkeypatch):
     monkeypatch.delenv("HF_PAGED_SMALL_GEMM", raising=False)
     load_small_gemm.cache_clear()
     assert load_small_gemm() is not None
-    assert small_linear.small_linear_status().startswith("native kernel, W @ x^T, x @ (a transposed copy of W) or F.linear")
+    assert small_linear.small_linear_status().startswith(
+        "native kernel, W @ x^T, x @ (a transposed copy of W), oneDNN's GEMM or F.linear")
 
 
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1])
@@ -238,7 +240,10 @@ def test_a_step_whose_products_are_all_f_linear_swaps_nothing(monkeypatch):
     monkeypatch.setattr(TABLE, "fast", {key: torch.nn.functional.linear for key in fast})
     assert linears.plain(3, 1) and swapped(3, 1) == (False, False)
     assert not linears.plain(3, 2) and swapped(3, 2) == (True, True)  # the head's bucket of 2 is not measured yet
-    many = KERNEL_MAX_ROWS + 1  # beyond the kernels: F.linear without measuring; only the head's bucket counts
+    many = KERNEL_MAX_ROWS + 1  # beyond the kernels: a bucket of many rows, measured on its own (onednn_linear)
+    assert not linears.plain(many, 1)
+    proj_many = (net.proj.weight.shape, torch.float32, 256, torch.get_num_threads(), False)
+    monkeypatch.setattr(TABLE, "fast", {**TABLE.fast, proj_many: torch.nn.functional.linear})
     assert linears.plain(many, 1)
     other = SmallBatchLinears(net)
     monkeypatch.setattr(TABLE, "fast", {**TABLE.fast, next(iter(fast)): small_linear._w_xt})

@@ -64,20 +64,33 @@ def set_threads(threads: int | None) -> int:
 
 
 def matmul_gflops(size: int = 1024, repeats: int = 10, dtype: str = "float32") -> float:
-    """Best-of-`repeats` GFLOP/s of a size^3 torch.matmul in `dtype` (the CPU's practical dense-math ceiling)."""
+    """The CPU's practical dense-math ceiling: the best of `matmul_rates` (GFLOP/s)."""
+    return max(matmul_rates(size, repeats, dtype).values())
+
+
+def matmul_rates(size: int = 1024, repeats: int = 10, dtype: str = "float32") -> dict[str, float]:
+    """Best-of-`repeats` GFLOP/s of a size^3 product in `dtype` by each library torch offers on this CPU:
+    torch.matmul (MKL's GEMM for fp32 in torch's x86 builds) and, where torch has it, oneDNN's (what hf_paged's
+    measured linears may choose: on an AMD EPYC it ran fp32 at twice MKL's rate)."""
     import torch
 
     kind = getattr(torch, dtype)
     a, b = torch.randn(size, size, dtype=kind), torch.randn(size, size, dtype=kind)
     out = torch.empty(size, size, dtype=kind)
-    for _ in range(2):
-        torch.matmul(a, b, out=out)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e9
+    products = {"torch.matmul": lambda: torch.matmul(a, b, out=out)}
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        products["oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    rates = {}
+    for name, run in products.items():
+        for _ in range(2):
+            run()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            best = min(best, time.perf_counter() - start)
+        rates[name] = 2 * size**3 / best / 1e9
+    return rates
 
 
 # instruction-set flags that decide which products are fast (/proc/cpuinfo's names): reported with every figure

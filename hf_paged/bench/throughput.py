@@ -36,7 +36,8 @@ for every system; hf_paged's warm-up generates 3 x (1 + SAMPLES) + 4 tokens, aga
 MAX_WARMUPS times: a trial takes that many calls of its row bucket), then
 times one call with time.perf_counter; engine construction (LLM(...)) is outside the timing, generate_batch's
 per-call manager start-up is inside it (that is its API). Peak RSS is
-the worker's ru_maxrss. "matmul limit" = output tokens / (workload FLOPs / best fp32 1024^3 matmul FLOP/s),
+the worker's ru_maxrss. "matmul limit" = output tokens / (workload FLOPs / best 1024^3 matmul FLOP/s of torch.matmul
+and oneDNN's GEMM),
 FLOPs = 2*non-embedding params*(prompt+output tokens) + 2*lm_head params*output tokens (attention ignored).
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ import random
 import sys
 import time
 
-from .common import (add_common_args, emit_result, machine_info, machine_load, matmul_gflops,
+from .common import (add_common_args, emit_result, machine_info, machine_load, matmul_rates,
                      peak_rss_mb, plot_path, run_worker, set_threads, write_json)
 from .throughput_plot import plot
 from .throughput_report import _linear_paths, print_report, summarise
@@ -186,14 +187,19 @@ def fused_passes(model) -> dict:
 def worker(args, setup: dict) -> None:
     threads = set_threads(args.threads)
     if args.worker == "matmul":
-        emit_result({"gflops": matmul_gflops(dtype=args.dtype), "threads": threads})
+        emit_result(_matmul(args.dtype, threads))
     else:
         emit_result(measure(args.worker, args.requests[0], args, setup, threads))
 
 
+def _matmul(dtype: str, threads: int) -> dict:
+    rates = matmul_rates(dtype=dtype)
+    return {"gflops": max(rates.values()), "rates": rates, "threads": threads}
+
+
 def measure_all(args, setup: dict, threads: int) -> dict:
     """The matmul ceiling and every system at every request count, in this process (hf_paged's systems first)."""
-    return {"matmul": {"gflops": matmul_gflops(dtype=args.dtype), "threads": threads},
+    return {"matmul": _matmul(args.dtype, threads),
             "results": [measure(system, n, args, setup, threads)
                         for system in sorted(args.systems, key=lambda name: name != "hf_paged")
                         for n in args.requests]}
@@ -339,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     load_before = machine_load()
     matmul, results = _small_rounds(args, setup) if args.small else collect(args)
-    print(f"{args.dtype} matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads",
-          flush=True)
+    rates = ", ".join(f"{name} {rate:.1f}" for name, rate in matmul.get("rates", {}).items())
+    print(f"{args.dtype} matmul (1024^3, best of 10): {matmul['gflops']:.1f} GFLOP/s with {matmul['threads']} threads"
+          + (f" (best of {rates})" if rates else ""), flush=True)
     params = next((r["params"] for r in results if "params" in r), None)
     vocab, (low, high) = setup["model"]["vocab_size"], setup["prompt_len"]
     prompt_tokens = {n: sum(len(p) for p in make_prompts(n, vocab, low, high)) for n in args.requests}

@@ -56,8 +56,8 @@ def print_small_linears(results: list[dict]) -> None:
 # the products a measured linear chooses from: fp32 (model/small_linear.py) and bf16 (model/packed_linear.py); a
 # greedy step's LM head (dtype "greedy", model/greedy_head.py): its bf16 or int8 screen or its usual product and the
 # argmax; a Llama-coded decoder layer (dtype "layer", model/fused_layers.py): its class forward or the fused one
-PRODUCT_LABELS = {"kernel": "kernel", "w_xt": "W @ x^T", "wt_copy": "x @ W^T copy", "packed": "packed",
-                  "f_linear": "F.linear", "class": "layer's class forward", "fused": "fused layer",
+PRODUCT_LABELS = {"kernel": "kernel", "w_xt": "W @ x^T", "wt_copy": "x @ W^T copy", "onednn": "oneDNN",
+                  "packed": "packed", "f_linear": "F.linear", "class": "layer's class forward", "fused": "fused layer",
                   "screen": "bf16 screen", "screen_i8": "int8 screen", "logits": "head + argmax"}
 
 

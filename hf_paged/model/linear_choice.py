@@ -11,8 +11,8 @@ dict lookup.
 Invariants:
 - A key is measured at most once per process (under `TABLE.lock`), unless `TABLE.clear()` is called. Measuring never
   changes results beyond rounding: every candidate computes the same sums in another order.
-- Row buckets are powers of two (`BUCKETS`): a call with m rows uses the smallest bucket >= m. Only buckets that calls
-  actually reach are measured.
+- Row buckets are powers of two (`BUCKETS`; beyond them `many_bucket`, up to MANY_MAX): a call with m rows uses the
+  smallest bucket >= m. Only buckets that calls actually reach are measured.
 - Measured where it runs (`Trial`): a key without a choice gives each call one of its candidates in turn (every block
   of as many calls as candidates runs each once, the order rotating so that layers of one shape called alternately
   all meet every candidate) and times that call itself, inside the real forward: with the caches as a real step leaves
@@ -51,6 +51,14 @@ logger = logging.getLogger("hf_paged")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 BUCKET_OF = (0,) + tuple(next(b for b in BUCKETS if b >= m) for m in range(1, BUCKETS[-1] + 1))  # rows -> bucket
+MANY_MAX = 16384  # the last bucket of many rows (a prefill step's): calls of this many rows or more
+
+
+def many_bucket(rows: int) -> int:
+    """The bucket of a call of more than BUCKETS[-1] rows: the next power of two, at most MANY_MAX."""
+    return min(1 << (rows - 1).bit_length(), MANY_MAX)
+
+
 SAMPLES = 5  # counted calls of each candidate before a choice (after one warm-up call each)
 DROP = 2.0  # a candidate this many times slower than the leader in its warm-up and first counted call is out
 # ... or this many times, where the leader's call takes LONG_S or more (an LM head: timer and scheduling noise are a

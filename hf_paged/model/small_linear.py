@@ -1,24 +1,19 @@
-"""Linear layers for decode-sized CPU steps: whichever of a native kernel (`cpu/small_gemm.c`), y = (W x^T)^T,
-x @ (a transposed copy of W) and F.linear measured fastest on this machine for the weight's shape and the call's row
-count.
+"""fp32 CPU linear layers on whichever product measured fastest on this machine for the weight's shape and the call's
+row count: a native kernel (`cpu/small_gemm.c`), y = (W x^T)^T, x @ (a transposed copy of W), oneDNN's GEMM or
+F.linear.
 
-A decode step multiplies a handful of rows by every weight matrix of the model, and BLAS handles such skinny products
-unevenly. Candidates for fp32 products of 1 to KERNEL_MAX_ROWS (128) rows:
+BLAS handles the skinny products of a decode step unevenly, and a CPU vendor's BLAS can lose 2x to another library on
+another vendor's CPU. Candidates for fp32 products of 1 to KERNEL_MAX_ROWS (128) rows:
 
-- the native kernel `small_gemm_f32` (with a C compiler; built on first use, like the CPU attention kernel:
-  hf_paged/native.py). Up to 8 rows it takes dot products straight from the rows, four at a time; from 9 rows on it
-  broadcasts each weight element against 16 or 32 rows at once. On a 2-vCPU EPYC it multiplies the LM head
-  [32000, 512] by one row in 1.9-2.7 ms against MKL's 5.5-7.5 ms; on an AMX Xeon MKL was 1.7x faster than it.
-  `HF_PAGED_SMALL_GEMM=0`: not built;
+- the native kernel `small_gemm_f32` (with a C compiler; built on first use: hf_paged/native.py): dot products from
+  the rows up to 8 rows, from 9 on each weight element against 16 or 32 rows at once. `HF_PAGED_SMALL_GEMM=0`: none;
 - W @ x^T, which MKL streams faster than x @ W^T for few rows on some machines and slower on others;
-- x @ (a transposed copy of W): MKL's plain product, no transposed operand to repack on every call. On the AMX Xeon
-  VM of issue 27, one thread, 64 rows, the 8 layers' weights of the benchmark model as a decode step meets them
-  (cold): 18.9 ms against the kernel's 23.2 and F.linear's 26.6; in the engine's steps, taking turns step by step,
-  42.1 ms a step against 46.6 (kernel) and 50.4 (F.linear); at two threads a tie. The copy is a second copy of the
-  weight, made and checked like the bf16 packed copies (`packed_linear`: memory budget, `HF_PAGED_PACKED_LINEARS=0`
-  turns it off), made only while its candidate is measured or chosen, and dropped once no row bucket of its shape
-  chose it;
-- F.linear itself.
+- x @ (a transposed copy of W): MKL's plain product, no transposed operand to repack on every call. The copy is a
+  second copy of the weight, made and checked like the bf16 packed copies (`packed_linear`: memory budget,
+  `HF_PAGED_PACKED_LINEARS=0` turns it off), made only while its candidate is measured or chosen, and dropped once no
+  row bucket of its shape chose it;
+- oneDNN's fp32 GEMM (`onednn_linear`: on a Zen 5 EPYC 2x MKL's from 16 rows on); F.linear itself.
+Calls of more rows (a prefill step's) choose between oneDNN's GEMM and F.linear, in buckets of powers of two.
 
 Nothing about speed is assumed: by default (`HF_PAGED_SMALL_LINEARS` unset, `1` or `auto`) the first calls of each
 (weight shape, dtype, row bucket, torch thread count) run the candidates in turn inside the model's own forwards,
@@ -50,8 +45,9 @@ from pathlib import Path
 import torch
 
 from .. import native
-from . import fingerprint, fused_layers, fused_norms, fused_rotary, greedy_head, packed_linear, transposed_copy
-from .linear_choice import BUCKET_OF, TABLE, Key, summary
+from . import (fingerprint, fused_layers, fused_norms, fused_rotary, greedy_head, onednn_linear, packed_linear,
+               transposed_copy)
+from .linear_choice import BUCKET_OF, TABLE, Key, many_bucket, summary
 from .switches import THIS_THREAD
 
 logger = logging.getLogger("hf_paged")
@@ -64,7 +60,6 @@ _status: dict[str, str] = {}
 
 class SmallGemm:
     """`small_gemm_f32` of cpu/small_gemm.c: y = x w^T (+ bias) for fp32 CPU tensors."""
-
     def __init__(self, path: Path):
         fn = ctypes.CDLL(str(path)).small_gemm_f32
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -118,7 +113,8 @@ def small_linear_status() -> str:
         return ("native kernel" if loaded else f"W @ x^T ({reason})") + " (forced: HF_PAGED_SMALL_LINEARS=kernel)"
     if chosen == "w_xt":
         return "W @ x^T (forced: HF_PAGED_SMALL_LINEARS=w_xt)"
-    copies = ", x @ (a transposed copy of W)" if packed_linear.mode() != "off" else ""
+    copies = (", x @ (a transposed copy of W)" if packed_linear.mode() != "off" else "") + \
+        (", oneDNN's GEMM" if onednn_linear.available() else "")
     head = (f"native kernel, W @ x^T{copies} or F.linear" if loaded else f"W @ x^T{copies} or F.linear") + \
         ", the fastest measured per weight shape and row count" + ("" if loaded else f" (no native kernel: {reason})") \
         + ("; bf16: oneDNN's packed copy or F.linear, measured alike" if packed_linear.supported() else "") \
@@ -180,17 +176,19 @@ def candidates(kernel: SmallGemm | None) -> dict:
     products.update(w_xt=_w_xt)
     if packed_linear.mode() != "off":
         products[transposed_copy.NAME] = transposed_copy.MARKER
+    if onednn_linear.available():
+        products[onednn_linear.NAME] = onednn_linear.product
     products.update(f_linear=torch.nn.functional.linear)
     return products
 
 
-def _measured(module: torch.nn.Linear, key: tuple, kernel: SmallGemm | None, rows: torch.Tensor,
+def _measured(module: torch.nn.Linear, key: tuple, products: dict, rows: torch.Tensor,
               weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A call of `key` while it has no choice: the candidate its trial names, timed (linear_choice.Trial). The
     transposed copy is made before the timing; a module that cannot have one records it as unavailable (infinitely
     slow: dropped). Once a choice is made, copies no bucket of this shape chose are dropped."""
     key = Key(tuple(key[0]), *key[1:])
-    name, product = TABLE.pick(key, candidates(kernel), identity=_identity())
+    name, product = TABLE.pick(key, products, identity=_identity())
     if product is transposed_copy.MARKER:
         copy = transposed_copy.copy_of(module, weight)
         if copy is None:
@@ -219,11 +217,14 @@ def _measured_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor
         return torch.nn.functional.linear(input, weight, bias)
     shape = input.shape
     m = input.numel() // shape[-1] if shape and shape[-1] else 0
-    if not 0 < m <= KERNEL_MAX_ROWS:
+    if m <= 0:
         return torch.nn.functional.linear(input, weight, bias)
-    kernel = load_small_gemm()
     # a plain tuple: equal to (and hashed like) the linear_choice.Key it was stored under, cheaper to build
-    key = (weight.shape, weight.dtype, BUCKET_OF[m], torch.get_num_threads(), kernel is not None)
+    if m <= KERNEL_MAX_ROWS:
+        kernel = load_small_gemm()
+        key = (weight.shape, weight.dtype, BUCKET_OF[m], torch.get_num_threads(), kernel is not None)
+    else:  # a prefill step's many rows: oneDNN or F.linear
+        kernel, key = None, (weight.shape, weight.dtype, many_bucket(m), torch.get_num_threads(), False)
     product = TABLE.fast.get(key)
     if product is torch.nn.functional.linear:
         return torch.nn.functional.linear(input, weight, bias)
@@ -233,7 +234,8 @@ def _measured_linear(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if product is None:
-        out = _measured(self, key, kernel, rows, weight, bias)
+        products = candidates(kernel) if m <= KERNEL_MAX_ROWS else onednn_linear.many_row_products()
+        out = _measured(self, key, products, rows, weight, bias)
     elif product is transposed_copy.MARKER:
         out = transposed_copy.product(self, rows, weight, bias)
     else:
@@ -339,12 +341,16 @@ class SmallBatchLinears:
         fast = TABLE.fast
         for module in self.modules:
             m = head_rows if module is self.head else rows
+            weight = module.weight
+            fp32 = weight.dtype == torch.float32  # the packed (bf16) products' keys say kernel=False
             if 0 < m <= KERNEL_MAX_ROWS:
-                weight = module.weight
-                fp32 = weight.dtype == torch.float32  # the packed (bf16) products' keys say kernel=False
-                if fast.get((weight.shape, weight.dtype, BUCKET_OF[m], threads, kernel and fp32)) \
-                        is not torch.nn.functional.linear:
-                    return False
+                key = (weight.shape, weight.dtype, BUCKET_OF[m], threads, kernel and fp32)
+            elif m > KERNEL_MAX_ROWS and fp32:  # bf16 linears of many rows take F.linear (oneDNN's own)
+                key = (weight.shape, weight.dtype, many_bucket(m), threads, False)
+            else:
+                continue
+            if fast.get(key) is not torch.nn.functional.linear:
+                return False
         self.plain_steps.add(key)
         return True
 

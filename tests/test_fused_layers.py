@@ -54,14 +54,18 @@ def assert_hf(llm, model, prompts=PROMPTS):
     assert engine_tokens(llm, prompts) == [hf_tokens(model, p) for p in prompts]
 
 
-def llama(sharpen_attention: float = 6.0, arch: str = "llama", **overrides):
+def llama(sharpen_attention: float = 6.0, arch: str = "llama", dtype: torch.dtype = torch.float32, **overrides):
     """The tiny Llama (or another model with Llama's layer code) with peaked attention: its tokens depend on what each
-    layer's attention computes."""
+    layer's attention computes. bf16: its layers take oneDNN's packed joined copies."""
     model = tiny_model(arch, **overrides)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(sharpen_attention)
-    return model
+    return model.to(dtype)
+
+
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not packed_linear.supported(), reason="no oneDNN bf16"))
+DTYPES = [torch.float32, BF16]
 
 
 def new_llm(model):
@@ -72,24 +76,30 @@ def copies(model):
     return [fused_layers._COPIES.get(m) for m in model.model.layers]
 
 
-def test_an_engine_whose_layers_are_fused_gives_hfs_tokens(monkeypatch, calls):
-    """Prefill (class forward: more rows than MAX_ROWS would be; here chunks of 16), decode and a chunked prompt."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_engine_whose_layers_are_fused_gives_hfs_tokens(monkeypatch, calls, dtype):
+    """Prefill (class forward: more rows than MAX_ROWS would be; here chunks of 16), decode and a chunked prompt; fp32
+    (transposed copies) and bf16 (oneDNN's packed copies: HF's bf16 tokens on this sharpened model)."""
     monkeypatch.setenv(fused_layers.SWITCH, "force")
-    model = llama()
+    model = llama(dtype=dtype)
     llm = new_llm(model)
     assert len(llm.engine.runner.layers.layers) == model.config.num_hidden_layers
     assert_hf(llm, model)
-    assert calls["fused"] > 0 and all(c is not None for c in copies(model))
+    assert calls["fused"] > 0 and all(c is not None and c.onednn is (dtype is torch.bfloat16) for c in copies(model))
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen2", "qwen3"])
-def test_mistral_qwen2_and_qwen3_attention_code_fused_gives_hfs_tokens(monkeypatch, calls, arch):
+@pytest.mark.parametrize("arch, dtype", [("mistral", torch.float32), ("qwen2", torch.float32),
+                                         ("qwen3", torch.float32), ("qwen2", BF16.values[0])])
+def test_mistral_qwen2_and_qwen3_attention_code_fused_gives_hfs_tokens(monkeypatch, calls, arch, dtype):
     """Mistral's sliding window (8 here: shorter than the prompts), Qwen2's q / k / v biases (an in-place edit of one
-    followed), Qwen3's per-head q / k norms (one replaced after the engine started)."""
+    followed; in bf16 too: the biases inside oneDNN's product), Qwen3's per-head q / k norms (one replaced after the
+    engine started)."""
+    if dtype is torch.bfloat16 and not packed_linear.supported():
+        pytest.skip("no oneDNN bf16")
     monkeypatch.setenv(fused_layers.SWITCH, "force")
     # Qwen2: a window of 8 on its first layer, random q / k / v biases (they start at zero)
     windows = dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-    model = llama(arch=arch, **(windows if arch == "qwen2" else {}))
+    model = llama(arch=arch, dtype=dtype, **(windows if arch == "qwen2" else {}))
     if arch == "qwen2":
         with torch.no_grad():
             for name, parameter in model.named_parameters():
@@ -114,9 +124,10 @@ def test_mistral_qwen2_and_qwen3_attention_code_fused_gives_hfs_tokens(monkeypat
         assert_hf(llm, model)
 
 
-def test_the_copies_follow_every_change_of_the_weights(monkeypatch, calls):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_copies_follow_every_change_of_the_weights(monkeypatch, calls, dtype):
     monkeypatch.setenv(fused_layers.SWITCH, "force")
-    model = llama()
+    model = llama(dtype=dtype)
     llm = new_llm(model)
     assert_hf(llm, model)
     first = copies(model)[0]
@@ -131,7 +142,7 @@ def test_the_copies_follow_every_change_of_the_weights(monkeypatch, calls):
     assert second is not first and second is not None
     k_proj = model.model.layers[0].self_attn.k_proj
     with torch.no_grad():  # through .data: no version change; the sampled entries catch it
-        k_proj.weight.data.copy_(torch.randn(k_proj.weight.shape))
+        k_proj.weight.data.copy_(torch.randn(k_proj.weight.shape, dtype=dtype))
     llm.engine.scheduler.set_context(object())
     assert_hf(llm, model)
     assert copies(model)[0] is not second

@@ -45,7 +45,8 @@ def print_small_linears(results: list[dict]) -> None:
               f"{'all rounds chose alike' if same else 'rounds chose differently'}): {status}")
         choices = r["small_linears"]["choices"]
         names = [name for name in PRODUCT_LABELS if any(name in c["us"] for c in choices)]
-        rows = [[f"layer of {c['shape'][0]}" if c.get("dtype") == "layer" else f"{c['shape'][0]}x{c['shape'][1]}",
+        rows = [[f"layer of {c['shape'][0]}" if str(c.get("dtype")).startswith("layer")
+                 else f"{c['shape'][0]}x{c['shape'][1]}",
                  c.get("dtype", "float32"), c["rows"], c["threads"], c["path"],
                  *(c["us"].get(name) for name in names), c["probe_ms"]] for c in choices]
         if rows:

@@ -2,31 +2,35 @@
 products (q, k and v in one; gate and up in one; each residual add inside its output product), measured against the
 class forward on the machine.
 
-A 64-row decode step of a small fp32 model spends much of its time between products: a dozen module calls a layer,
-each through `nn.Module.__call__`, seven product dispatches, the residual adds. For a layer whose code is
-transformers' Llama layer (`layer_code.llama_parts`) whose seven projections are plain fp32 CPU `nn.Linear`s
-without biases (but q, k and v all with theirs: Qwen2's, added inside the joined product), `fused_layer_forward` makes
-the class code's calls of the norms (Qwen3's q / k norms too), the rotary function and the attention function (with
-the sliding window Mistral's, Qwen2's and Qwen3's code pass; their forwards:
-hf_paged's fused norm and rotary passes where swapped in), and computes the projections from copies of the weights,
-transposed and joined (`LayerCopies`): h @ [Wq; Wk; Wv]^T in one product, residual +
-o @ Wo^T in one (`addmm`), h @ [Wgate; Wup]^T in one, act(gate) * up, residual + that @ Wdown^T. The same sums as
-the class forward's, in another order (like any other choice of product); nothing else.
+A 64-row decode step of a small model spends much of its time between products: a dozen module calls a layer, each
+through `nn.Module.__call__`, seven product dispatches, the residual adds. For a layer whose code is transformers'
+Llama layer (`layer_code.llama_parts`) whose seven projections are plain fp32 or bf16 CPU `nn.Linear`s of one dtype
+without biases (but q, k and v all with theirs: Qwen2's, added inside the joined product), `fused_layer_forward`
+makes the class code's calls of the norms (Qwen3's q / k norms too), the rotary function and the attention function
+(with the sliding window Mistral's, Qwen2's and Qwen3's code pass; their forwards: hf_paged's fused norm and rotary
+passes where swapped in), and computes the projections from copies of the weights, joined (`LayerCopies`):
+h @ [Wq; Wk; Wv]^T in one product, residual + o @ Wo^T in one, h @ [Wgate; Wup]^T in one, act(gate) * up,
+residual + that @ Wdown^T. fp32 layers: transposed copies, the residual adds inside `addmm`. bf16 layers: the joined
+weights packed by oneDNN (`torch.ops.mkldnn._reorder_linear_weight`, multiplied as `packed_linear` does: F.linear's
+own oneDNN product without a reorder on every call), each residual added to the product rounded to bf16, as the class
+code adds it (a 64-row decode layer on a Zen 5 EPYC: 1.92-2.07 ms class, 1.65-1.79 fused). The same sums as the
+class forward's, in another order (like any other choice of product); nothing else.
 
 Invariants:
 - Only in the engine's forward, in the thread that swapped the forwards in (`THIS_THREAD.fused_layers`), for calls of
-  1..MAX_ROWS fp32 CPU rows in no-grad mode without autocast, `cache` None, no `past_key_values` keyword, not training;
-  and only while every part the path skips would only have run its forward (`layer_code.plain_calls`, projections
-  included) and the layer's parts are the ones found. Anything else runs the class forward.
+  1..MAX_ROWS CPU rows of the weights' dtype in no-grad mode without autocast, `cache` None, no `past_key_values`
+  keyword, not training; and only while every part the path skips would only have run its forward
+  (`layer_code.plain_calls`, projections included) and the layer's parts are the ones found. Anything else runs the
+  class forward.
 - The copies are used only while they match their weights, checked as `packed_linear` checks its copies: each
   weight's storage, address, shape, strides and version counter on every call; sample runs of every weight before
   each forward (`Samples.check`: a mismatch drops the model's copies); within packed_linear's memory budget (beyond it:
   the class forward). `LLM.reset_prefix_cache()` drops them too.
-- Measured: the first calls of each (hidden, widths, row bucket, threads) once its projections' own products are
-  chosen (`small_linear`: the class forward is then timed as it will run) run the class forward and this one in
-  turn, each call timed whole in the real step (`linear_choice.TABLE`, dtype "layer"); the class forward stays
-  unless this one measured more than 5 % faster. A layer bucket that keeps the class forward drops its copies.
-  `HF_PAGED_FUSED_LAYERS=0` turns the path off, `=force` takes it wherever it may, untimed (tests).
+- Measured: the first calls of each (hidden, widths, dtype, row bucket, threads) once its projections' own products
+  are chosen (`small_linear`: the class forward is then timed as it will run) run the class forward and this one in
+  turn, each call timed whole in the real step (`linear_choice.TABLE`, dtype "layer", or "layer bf16"); the class
+  forward stays unless this one measured more than 5 % faster. A layer bucket that keeps the class forward drops its
+  copies. `HF_PAGED_FUSED_LAYERS=0` turns the path off, `=force` takes it wherever it may, untimed (tests).
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from .switches import THIS_THREAD
 
 SWITCH = "HF_PAGED_FUSED_LAYERS"
 MAX_ROWS = 128
+DTYPES = (torch.float32, torch.bfloat16)
 CLASS, FUSED = "class", "fused"  # the trial's candidates (the class forward is the baseline)
 _COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, LayerCopies]" = weakref.WeakKeyDictionary()  # layer -> copies
 packed_linear.EXTRA_STORES.append(_COPIES)
@@ -66,9 +71,20 @@ def layer_shape(weights: list[torch.Tensor]) -> tuple:
     return (weights[0].shape[1], *(w.shape[0] for w in weights))
 
 
+def _copy_kind(weight: torch.Tensor):
+    """How a weight of this dtype is copied: fp32 transposed (MKL's plain product), bf16 packed by oneDNN."""
+    return packed_linear.TRANSPOSED if weight.dtype is torch.float32 else None
+
+
+def _copyable(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    if weight.dtype is not dtype or dtype not in DTYPES or (dtype is torch.bfloat16 and not packed_linear.supported()):
+        return False
+    return packed_linear.weight_packable(weight, _copy_kind(weight))
+
+
 def _plain_linears(modules: list) -> bool:
-    return all(type(m) is torch.nn.Linear and packed_linear.weight_packable(m.weight, packed_linear.TRANSPOSED)
-               for m in modules) and _biases_plain(modules)
+    dtype = modules[0].weight.dtype
+    return all(type(m) is torch.nn.Linear and _copyable(m.weight, dtype) for m in modules) and _biases_plain(modules)
 
 
 def _biases_plain(modules: list) -> bool:
@@ -79,27 +95,38 @@ def _biases_plain(modules: list) -> bool:
         return False
     if all(b is None for b in biases[:3]):
         return True
-    return all(b is not None and b.dtype is torch.float32 and b.is_cpu and b.dim() == 1 and b.shape[0] == m.out_features
-               and type(b.data) is torch.Tensor for b, m in zip(biases[:3], modules[:3]))
+    return all(b is not None and b.dtype is m.weight.dtype and b.is_cpu and b.dim() == 1
+               and b.shape[0] == m.out_features and type(b.data) is torch.Tensor
+               for b, m in zip(biases[:3], modules[:3]))
 
 
 class LayerCopies:
-    """A layer's seven weights transposed and joined ([in, out] each; q/k/v and gate/up side by side), with a
-    `packed_linear.PackedCopy` record of what each was made from (its `packed`: the view of that weight's columns)."""
-    __slots__ = ("qkv", "o", "gate_up", "down", "widths", "records", "nbytes", "shape", "__weakref__")
+    """A layer's seven weights joined (q/k/v and gate/up each as one weight): fp32 ones transposed ([in, out] each,
+    side by side), bf16 ones packed by oneDNN (`onednn`); with a `packed_linear.PackedCopy` record of what each was
+    made from (its `packed`: for fp32 the view of that weight's columns)."""
+    __slots__ = ("qkv", "o", "gate_up", "down", "widths", "records", "nbytes", "shape", "onednn", "__weakref__")
 
     def __init__(self, weights: list[torch.Tensor]):
+        self.onednn = weights[0].dtype is not torch.float32
         with torch.no_grad():
             q, k, v, o, gate, up, down = (w.detach() for w in weights)
-            self.qkv, self.o = torch.cat([q, k, v]).t().contiguous(), o.t().contiguous()
-            self.gate_up, self.down = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()
+            if self.onednn:
+                pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=packed_linear.BATCH_HINT)
+                self.qkv, self.o, self.gate_up, self.down = pack(torch.cat([q, k, v])), pack(o), \
+                    pack(torch.cat([gate, up])), pack(down)
+            else:
+                self.qkv, self.o = torch.cat([q, k, v]).t().contiguous(), o.t().contiguous()
+                self.gate_up, self.down = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()
         nq, nk, ni = q.shape[0], k.shape[0], gate.shape[0]
         self.widths = (nq, nk, ni)
-        views = [self.qkv[:, :nq], self.qkv[:, nq:nq + nk], self.qkv[:, nq + nk:], self.o, self.gate_up[:, :ni],
-                 self.gate_up[:, ni:], self.down]
+        if self.onednn:  # records only: what each weight was when packed (no view of it)
+            views = [torch.empty(0, dtype=torch.float32)] * 7
+        else:
+            views = [self.qkv[:, :nq], self.qkv[:, nq:nq + nk], self.qkv[:, nq + nk:], self.o, self.gate_up[:, :ni],
+                     self.gate_up[:, ni:], self.down]
         self.records = [packed_linear.PackedCopy(w, packed_linear.TRANSPOSED, made=view)
                         for w, view in zip(weights, views)]
-        self.nbytes = sum(t.numel() * t.element_size() for t in (self.qkv, self.o, self.gate_up, self.down))
+        self.nbytes = sum(packed_linear._packed_bytes(t, t) for t in (self.qkv, self.o, self.gate_up, self.down))
         self.shape = layer_shape(weights)
 
     def matches(self, weights: list[torch.Tensor]) -> bool:
@@ -112,7 +139,7 @@ def copies_for(layer: torch.nn.Module, weights: list[torch.Tensor]) -> LayerCopi
     copies = _COPIES.get(layer)
     if copies is not None and copies.matches(weights):
         return copies
-    if not all(packed_linear.weight_packable(w, packed_linear.TRANSPOSED) for w in weights):  # cast, moved, ...
+    if not all(_copyable(w, weights[0].dtype) for w in weights):  # cast, moved, ...
         return None
     with packed_linear._LOCK:
         _COPIES.pop(layer, None)
@@ -206,25 +233,35 @@ def _fused(parts: tuple, copies: LayerCopies, hidden_states, attention_mask, pos
     residual = hidden_states.reshape(-1, shape[-1])
     h = layer_code.call(norm1, hidden_states).reshape(-1, shape[-1])
     q_bias = attention.q_proj.bias
-    if q_bias is None:
+    biases = None if q_bias is None else torch.cat([q_bias, attention.k_proj.bias, attention.v_proj.bias])
+    if copies.onednn:  # bf16: as F.linear computes it (oneDNN), the residual added to the rounded product
+        qkv = _onednn(h, copies.qkv, biases)
+    elif biases is None:
         qkv = torch.mm(h, copies.qkv)
     else:  # as F.linear adds a bias: inside the product
-        qkv = torch.addmm(torch.cat([q_bias, attention.k_proj.bias, attention.v_proj.bias]), h, copies.qkv)
+        qkv = torch.addmm(biases, h, copies.qkv)
     qkv = qkv.view(*shape[:-1], -1)
     out = _attend(attention, code, qk, rotary, qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:],
                   attention_mask, position_ids, use_cache, position_embeddings, kwargs)
-    residual = torch.addmm(residual, out.reshape(residual.shape[0], -1), copies.o)
+    out = out.reshape(residual.shape[0], -1)
+    residual = residual + _onednn(out, copies.o) if copies.onednn else torch.addmm(residual, out, copies.o)
     h = layer_code.call(norm2, residual.view(shape)).reshape(-1, shape[-1])
-    gate_up = torch.mm(h, copies.gate_up)
+    gate_up = _onednn(h, copies.gate_up) if copies.onednn else torch.mm(h, copies.gate_up)
     act = layer_code.call(mlp.act_fn, gate_up[:, :ni]) * gate_up[:, ni:]
+    if copies.onednn:
+        return (residual + _onednn(act, copies.down)).view(shape)
     return torch.addmm(residual, act, copies.down).view(shape)
 
 
-def _takes(self, hidden_states, cache, kwargs) -> bool:
+def _onednn(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+
+
+def _takes(self, hidden_states, cache, kwargs, dtype: torch.dtype) -> bool:
     shape = hidden_states.shape
     rows = hidden_states.numel() // shape[-1] if hidden_states.dim() and shape[-1] else 0
     return (0 < rows <= MAX_ROWS and cache is None and "past_key_values" not in kwargs and not self.training
-            and hidden_states.dtype is torch.float32 and hidden_states.is_cpu and not torch.is_grad_enabled()
+            and hidden_states.dtype is dtype and hidden_states.is_cpu and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu"))
 
 
@@ -239,10 +276,11 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     rows_read = read_rows.takes(self, hidden_states, cache, kwargs) if last else None
     if rows_read is not None:  # the model's last layer in a step whose head reads fewer rows: only those
         return read_rows.forward_read_rows(self, rows_read, *args)
-    if mods is None or not _takes(self, hidden_states, cache, kwargs):
+    if mods is None or not _takes(self, hidden_states, cache, kwargs, mods[0].weight.dtype):
         return _class(self, cache, *args)
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    key = Key(layer_shape([m.weight for m in mods]), "layer", BUCKET_OF[rows], torch.get_num_threads(), False)
+    key = Key(layer_shape([m.weight for m in mods]), _key_dtype(mods[0].weight.dtype), BUCKET_OF[rows],
+              torch.get_num_threads(), False)
     name = FUSED if mode() == "force" else None
     chosen = TABLE.fast.get(key) if name is None else FUSED
     if chosen == CLASS:
@@ -267,19 +305,26 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     return out
 
 
+def _key_dtype(dtype: torch.dtype) -> str:
+    """The trial key's dtype: "layer" (fp32, as before) or "layer bf16"."""
+    return "layer" if dtype is torch.float32 else "layer bf16"
+
+
 def _after_choice(key: Key) -> None:
     """Once a bucket's choice is made: the copies of layers of its shape go unless some bucket of the shape chose the
     fused forward; where it did, their projections' own transposed copies go (their few-row calls do not run)."""
-    fused = any(k.dtype == "layer" and k.shape == key.shape and chosen == FUSED
+    fused = any(k.dtype == key.dtype and k.shape == key.shape and chosen == FUSED
                 for k, chosen in list(TABLE.fast.items()))
     with packed_linear._LOCK:
-        layers = [layer for layer, c in list(_COPIES.items()) if c.shape == key.shape]
+        layers = [layer for layer, c in list(_COPIES.items()) if c.shape == key.shape
+                  and _key_dtype(c.records[0].dtype) == key.dtype]
     if not fused:
         forget(layers)
         return
-    same = [mods for _, mods, _ in THIS_THREAD.fused_layers.values()
-            if mods is not None and layer_shape([m.weight for m in mods]) == key.shape]
-    packed_linear.forget([m for mods in same for m in mods], (packed_linear.TRANSPOSED,))
+    same = [mods for _, mods, _ in THIS_THREAD.fused_layers.values() if mods is not None
+            and layer_shape([m.weight for m in mods]) == key.shape and _key_dtype(mods[0].weight.dtype) == key.dtype]
+    kind = packed_linear.TRANSPOSED if key.dtype == "layer" else None
+    packed_linear.forget([m for mods in same for m in mods], (kind,))
 
 
 def _projection_trials_open(mods: list, bucket: int) -> bool:

@@ -229,3 +229,19 @@ def test_the_trial_keeps_the_class_forward_unless_the_fused_one_is_faster(monkey
     made = {c.path for k, c in TABLE.choices.items() if k.dtype == "layer"}
     assert made == {chosen}
     assert all((c is not None) == (chosen == fused_layers.FUSED) for c in copies(model))
+
+
+@pytest.mark.skipif(not packed_linear.supported(), reason="no oneDNN bf16")
+def test_an_fp32_choice_leaves_a_bf16_models_copies_of_the_same_shape():
+    """Choices are per dtype ("layer", "layer bf16"): an fp32 bucket keeping the class forward drops only fp32 copies."""
+    bf16 = llama(dtype=torch.bfloat16)
+    fp32 = llama()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(fused_layers.SWITCH, "force")
+        engine_tokens(new_llm(bf16))
+        engine_tokens(new_llm(fp32))
+    assert all(c is not None for c in copies(bf16) + copies(fp32))
+    key = linear_choice.Key(copies(fp32)[0].shape, "layer", 4, torch.get_num_threads(), False)
+    TABLE.fast[key] = fused_layers.CLASS
+    fused_layers._after_choice(key)
+    assert all(c is None for c in copies(fp32)) and all(c is not None for c in copies(bf16))

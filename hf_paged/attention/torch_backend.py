@@ -17,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import decode_choice
+from . import decode_choice, prefill_kernel
 from .cpu_kernel import load_cpu_kernel, usable
 from .extras import LayerExtras, alibi_bias, relative_bias
 from .extras import allowed as allowed_mask
@@ -141,8 +141,9 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     elif limited:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,
                                              attn_mask=allowed_mask(pos, pos, sliding_window, chunk))
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=True)
+    else:  # plain causal: torch's SDPA or the native kernel, whichever measured faster (prefill_kernel)
+        return prefill_kernel.attend(query, key, value, scale, lambda: F.scaled_dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, enable_gqa=True)[0].transpose(0, 1))
     return out[0].transpose(0, 1)
 
 

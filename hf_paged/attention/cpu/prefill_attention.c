@@ -1,0 +1,140 @@
+/* Causal attention of one fresh prompt (nothing cached) on the CPU, fp32 or bf16, for hf_paged's prefill steps
+ * (hf_paged/attention/prefill_kernel.py measures it against torch's SDPA and keeps the faster, per shape).
+ *
+ * q [L, H, D], k / v [L, G, D] (G key/value heads, H % G == 0; rows contiguous), out [L, H, D] in the inputs' dtype.
+ * For each key/value head its keys are laid out transposed and its values as rows, in fp32 (bf16 widened exactly);
+ * then for each query head of its group and each block of 16 query rows: the scores of the keys up to the block's
+ * last row in 16 x 16 tiles, a softmax per row over its own keys (key j <= row i: causal), in fp32, and the rows'
+ * outputs as sums of value rows weighted by the probabilities, four rows at a time, divided by the row's sum last;
+ * bf16 outputs rounded to nearest even as torch rounds. The same arithmetic as SDPA's in another order, with an exp
+ * of about 2 ulp (the scores minus their maximum are <= 0; below -87.3 the exp is taken at -87.3, ~1e-38).
+ * Head dims 64 and 128 only (the loops are compiled for each); `prefill_attend` returns 0 when it ran, -1 for any
+ * other head dim (the caller then runs SDPA).
+ * scratch: floats, 2 * D * Lp + 16 * D + 16 * Lp, Lp = L rounded up to a multiple of 16. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define RB 16 /* query rows per block */
+#define KB 16 /* keys per tile */
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } v; v.u = ((uint32_t)x) << 16; return v.f;
+}
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch */
+    union { uint32_t u; float f; } v; v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    uint32_t lsb = (v.u >> 16) & 1u; v.u += 0x7fffu + lsb; return (uint16_t)(v.u >> 16);
+}
+
+static inline float exp_neg(float x) {  /* e^x for x <= 0 (x >= -87.3: else 0), ~2 ulp; vectorizable */
+    x = x < -87.3f ? -87.3f : x;
+    float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } b; b.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * b.f;
+}
+
+#define ATTEND(NAME, DD) \
+static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64_t L, int64_t H, int64_t G, \
+                 float scale, int dtype, float *scratch) { \
+    const int64_t D = DD; \
+    int64_t Lp = (L + KB - 1) / KB * KB; \
+    float *kt = scratch;             /* [D][Lp] */ \
+    float *vv = kt + D * Lp;         /* [Lp][D] */ \
+    float *qb = vv + Lp * D;         /* [RB][D] */ \
+    float *s = qb + RB * D;          /* [RB][Lp] */ \
+    int64_t per = H / G; \
+    for (int64_t g = 0; g < G; g++) { \
+        for (int64_t j = 0; j < Lp; j++) { \
+            for (int64_t d = 0; d < D; d++) { \
+                float kx = 0.f, vx = 0.f; \
+                if (j < L) { \
+                    int64_t at = (j * G + g) * D + d; \
+                    kx = dtype ? bf16_to_f32(((const uint16_t *)k_)[at]) : ((const float *)k_)[at]; \
+                    vx = dtype ? bf16_to_f32(((const uint16_t *)v_)[at]) : ((const float *)v_)[at]; \
+                } \
+                kt[d * Lp + j] = kx; \
+                vv[j * D + d] = vx; \
+            } \
+        } \
+        for (int64_t h = g * per; h < (g + 1) * per; h++) { \
+            for (int64_t r0 = 0; r0 < L; r0 += RB) { \
+                int64_t rows = L - r0 < RB ? L - r0 : RB; \
+                for (int64_t r = 0; r < RB; r++) \
+                    for (int64_t d = 0; d < D; d++) { \
+                        float x = 0.f; \
+                        if (r < rows) { \
+                            int64_t at = ((r0 + r) * H + h) * D + d; \
+                            x = dtype ? bf16_to_f32(((const uint16_t *)q_)[at]) : ((const float *)q_)[at]; \
+                        } \
+                        qb[r * D + d] = x * scale; \
+                    } \
+                int64_t keys = r0 + rows;             /* causal: keys 0 .. r0 + rows - 1 */ \
+                int64_t tiles = (keys + KB - 1) / KB; \
+                for (int64_t t = 0; t < tiles; t++) { \
+                    float acc[RB][KB]; \
+                    memset(acc, 0, sizeof acc); \
+                    for (int d = 0; d < DD; d++) { \
+                        const float *kr = kt + d * Lp + t * KB; \
+                        for (int r = 0; r < RB; r++) { \
+                            float x = qb[r * DD + d]; \
+                            for (int c = 0; c < KB; c++) acc[r][c] += x * kr[c]; \
+                        } \
+                    } \
+                    for (int r = 0; r < RB; r++) memcpy(s + r * Lp + t * KB, acc[r], sizeof acc[r]); \
+                } \
+                float inv[RB]; \
+                for (int64_t r = 0; r < RB; r++) { \
+                    float *sr = s + r * Lp; \
+                    int64_t n = r0 + r + 1; \
+                    if (r >= rows) { for (int64_t j = 0; j < keys; j++) sr[j] = 0.f; inv[r] = 0.f; continue; } \
+                    float m = -INFINITY; \
+                    for (int64_t j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m; \
+                    float sum = 0.f; \
+                    for (int64_t j = 0; j < n; j++) { float e = exp_neg(sr[j] - m); sr[j] = e; sum += e; } \
+                    for (int64_t j = n; j < keys; j++) sr[j] = 0.f; \
+                    inv[r] = 1.f / sum; \
+                } \
+                for (int64_t r = 0; r < rows; r += 4) { \
+                    float out[4][DD]; \
+                    memset(out, 0, sizeof out); \
+                    const float *s0 = s + r * Lp; \
+                    for (int64_t j = 0; j < keys; j++) { \
+                        const float *vr = vv + j * DD; \
+                        for (int rr = 0; rr < 4; rr++) { \
+                            float p = s0[rr * Lp + j]; \
+                            for (int d = 0; d < DD; d++) out[rr][d] += p * vr[d]; \
+                        } \
+                    } \
+                    for (int rr = 0; rr < 4 && r + rr < rows; rr++) { \
+                        int64_t at = ((r0 + r + rr) * H + h) * DD; \
+                        float iv = inv[r + rr]; \
+                        if (dtype) \
+                            for (int d = 0; d < DD; d++) ((uint16_t *)o_)[at + d] = f32_to_bf16(out[rr][d] * iv); \
+                        else for (int d = 0; d < DD; d++) ((float *)o_)[at + d] = out[rr][d] * iv; \
+                    } \
+                } \
+            } \
+        } \
+    } \
+}
+ATTEND(attend_64, 64)
+ATTEND(attend_128, 128)
+
+int prefill_attend(const void *q, const void *k, const void *v, void *o, int64_t L, int64_t H, int64_t G,
+                   int64_t D, float scale, int dtype, float *scratch) {
+    if (L <= 0 || G <= 0 || H % G != 0) return -1;
+    if (D == 64) attend_64(q, k, v, o, L, H, G, scale, dtype, scratch);
+    else if (D == 128) attend_128(q, k, v, o, L, H, G, scale, dtype, scratch);
+    else return -1;
+    return 0;
+}

@@ -1,0 +1,134 @@
+"""The native causal attention of fresh prompts (hf_paged/attention/prefill_kernel.py, cpu/prefill_attention.c): SDPA's
+results up to rounding (fp32, bf16; head dims 64 and 128; GQA groups; lengths around its 16-row blocks), only where it
+applies, chosen only by its trial, switchable, and an engine that takes it gives HF's tokens. Speeds are never
+measured here: a fake clock advances by fixed costs."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf_paged
+from hf_paged.attention import decode_choice, prefill_kernel
+from hf_paged.tiny import tiny_model
+
+pytestmark = pytest.mark.skipif(prefill_kernel.load_prefill_kernel() is None, reason="no C compiler")
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.delenv(prefill_kernel.SWITCH, raising=False)
+    prefill_kernel.clear()
+    yield
+    prefill_kernel.clear()
+
+
+def sdpa(q, k, v, scale):
+    qq, kk, vv = (t.transpose(0, 1)[None] for t in (q, k, v))
+    return F.scaled_dot_product_attention(qq, kk, vv, scale=scale, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+
+
+def inputs(length, heads, kv_heads, head_dim, dtype, seed=0):
+    torch.manual_seed(seed)
+    return (torch.randn(length, heads, head_dim, dtype=dtype) * 2, torch.randn(length, kv_heads, head_dim, dtype=dtype),
+            torch.randn(length, kv_heads, head_dim, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length, heads, kv_heads, head_dim", [(1, 8, 2, 64), (15, 4, 4, 64), (16, 6, 3, 64),
+                                                               (17, 8, 2, 128), (100, 8, 1, 64), (40, 2, 2, 128)])
+def test_sdpas_attention_up_to_rounding(dtype, length, heads, kv_heads, head_dim):
+    q, k, v = inputs(length, heads, kv_heads, head_dim, dtype)
+    scale = head_dim ** -0.5
+    got = prefill_kernel.load_prefill_kernel()(q, k, v, scale)
+    want = sdpa(q, k, v, scale)
+    assert got.shape == want.shape and got.dtype is dtype
+    if dtype is torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # both round an fp32 result to bf16: at most a spacing or two apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
+    strided = prefill_kernel.load_prefill_kernel()(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, scale)
+    assert torch.equal(strided, got)
+
+
+def test_only_what_it_implements():
+    q, k, v = inputs(20, 8, 2, 64, torch.float32)
+    assert prefill_kernel.takes(q, k, v)
+    assert not prefill_kernel.takes(*inputs(20, 8, 2, 32, torch.float32))  # head dim
+    assert not prefill_kernel.takes(q.half(), k.half(), v.half())
+    assert not prefill_kernel.takes(q, k.bfloat16(), v)
+    assert not prefill_kernel.takes(*inputs(20, 6, 4, 64, torch.float32))  # heads not a multiple of kv heads
+    q.requires_grad_(True)
+    assert not prefill_kernel.takes(q, k, v)
+    with torch.no_grad():
+        assert prefill_kernel.takes(q, k, v)
+
+
+def counting(monkeypatch, costs=None):
+    """Counts the kernel's and SDPA's calls through `attend`; with `costs`, each advances a fake clock."""
+    calls = {"kernel": 0, "torch": 0}
+    now = [0.0]
+    if costs is not None:
+        monkeypatch.setattr(decode_choice, "clock", lambda: now[0])
+    real = prefill_kernel.PrefillKernel.__call__
+
+    def kernel(self, *args):
+        calls["kernel"] += 1
+        now[0] += (costs or {}).get("kernel", 0.0)
+        return real(self, *args)
+    monkeypatch.setattr(prefill_kernel.PrefillKernel, "__call__", kernel)
+
+    def run(q, k, v, scale):
+        def baseline():
+            calls["torch"] += 1
+            now[0] += (costs or {}).get("torch", 0.0)
+            return sdpa(q, k, v, scale)
+        return prefill_kernel.attend(q, k, v, scale, baseline)
+    return calls, run
+
+
+@pytest.mark.parametrize("kernel_cost, chosen", [(1.0, "kernel"), (5.0, "torch")])
+def test_the_trial_keeps_sdpa_unless_the_kernel_is_faster(monkeypatch, kernel_cost, chosen):
+    calls, run = counting(monkeypatch, {"kernel": kernel_cost, "torch": 3.0})
+    q, k, v = inputs(40, 8, 2, 64, torch.float32)
+    for _ in range(2 * (1 + decode_choice.SAMPLES) + 2):
+        torch.testing.assert_close(run(q, k, v, 0.125), sdpa(q, k, v, 0.125), rtol=1e-5, atol=1e-5)
+    (entry,) = prefill_kernel.prefill_choices()
+    assert entry["path"] == chosen and entry["rows"] == 64 and set(entry["us"]) == {"kernel", "torch"}
+    before = dict(calls)
+    run(q, k, v, 0.125)
+    assert {n: calls[n] - before[n] for n in calls} == {n: int(n == chosen) for n in calls}
+    run(*inputs(100, 8, 2, 64, torch.float32), 0.125)  # another length bucket: a trial of its own
+    assert len(prefill_kernel._TRIALS) == 1
+
+
+def test_switched_off_or_forced(monkeypatch):
+    calls, run = counting(monkeypatch)
+    q, k, v = inputs(24, 4, 2, 64, torch.float32)
+    monkeypatch.setenv(prefill_kernel.SWITCH, "0")
+    for _ in range(20):
+        run(q, k, v, 0.125)
+    assert calls == {"kernel": 0, "torch": 20} and not prefill_kernel._TRIALS
+    monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
+    run(q, k, v, 0.125)
+    assert calls == {"kernel": 1, "torch": 20}
+    run(*inputs(24, 4, 2, 32, torch.float32), 0.125)  # a head dim it does not take: SDPA even when forced
+    assert calls == {"kernel": 1, "torch": 21}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_engine_that_takes_it_gives_hfs_tokens(monkeypatch, dtype):
+    """Forced: every fresh prompt's attention in the kernel (head dim 64), prefill in chunks and whole."""
+    calls, _ = counting(monkeypatch)
+    monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
+    model = tiny_model("llama", head_dim=64).to(dtype)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)  # peaked attention: the tokens depend on it
+    llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=64)
+    prompts = [list(range(3, 60)), [5, 9, 13, 2, 7, 11, 3, 8], [4, 4, 9]]
+    params = hf_paged.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert calls["kernel"] > 0
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()

@@ -68,16 +68,24 @@ def test_measure_on_a_tiny_model(restore):
     assert set(paged["fused"]) == {"norms", "norms_status", "rotary", "rotary_status"} and "fused" not in padded
     assert isinstance(paged["fused"]["norms_status"], str) and 0 <= paged["fused"]["norms"] <= 3  # 1 layer x 2 + 1
     assert isinstance(paged["decode_attention"], list) and "decode_attention" not in padded
+    assert isinstance(paged["prefill_attention"], list) and "prefill_attention" not in padded
 
 
 def test_the_decode_attention_choice_is_printed(capsys):
     r = {"requests": 64, "fused": {"norms": 17, "norms_status": "loaded", "rotary": 8, "rotary_status": "loaded"},
          "decode_attention": [{"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "block_size": 16,
                                "threads": 1, "path": "keys", "source": "measured",
-                               "us": {"torch": 8000.0, "keys": 600.0, "vector": 630.0}}]}
+                               "us": {"torch": 8000.0, "keys": 600.0, "vector": 630.0}}],
+         "prefill_attention": [{"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "rows": 256,
+                                "threads": 1, "path": "kernel", "us": {"torch": 900.0, "kernel": 500.0}},
+                               {"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "rows": 32,
+                                "threads": 1, "path": "torch", "us": {"torch": 50.0, "kernel": 52.0}}]}
     throughput_report.print_fused([r])
+    out = capsys.readouterr().out
     assert ("decode attention in hf_paged's worker, 64 requests, float32 pages, 8/2 heads of 64, 1 threads: keys "
-            "(measured: torch 8000 us, keys 600 us, vector 630 us)") in capsys.readouterr().out
+            "(measured: torch 8000 us, keys 600 us, vector 630 us)") in out
+    assert ("prompt attention in hf_paged's worker, 64 requests, float32, 8/2 heads of 64, 1 threads: <=32 tokens "
+            "SDPA (SDPA 50 us, kernel 52 us); <=256 tokens kernel (SDPA 900 us, kernel 500 us)") in out
 
 
 def test_the_warm_up_has_the_timed_calls_size(restore, monkeypatch):

@@ -258,6 +258,9 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
         from hf_paged.attention.decode_choice import decode_choices
 
         extra["decode_attention"] = decode_choices()
+        from hf_paged.attention.prefill_kernel import prefill_choices
+
+        extra["prefill_attention"] = prefill_choices()
         extra["warmups"], extra["open_trials"] = len(warmups), open_trials()
     return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "threads": threads, **extra,

@@ -16,7 +16,8 @@ def _linear_paths(result: dict) -> dict[str, str]:
 
 def print_fused(results: list[dict]) -> None:
     """The native RMSNorm and rotary passes each hf_paged worker's engine took (fused_norms / fused_rotary), and the
-    path its CPU decode attention took per layer shape (attention/decode_choice)."""
+    path its CPU decode attention took per layer shape (attention/decode_choice) and its fresh prompts' attention per
+    shape and prompt-length bucket (attention/prefill_kernel)."""
     for r in results:
         if fused := r.get("fused"):
             print(f"\nfused passes in hf_paged's worker, {r['requests']} requests: RMSNorm on {fused['norms']} modules "
@@ -27,6 +28,13 @@ def print_fused(results: list[dict]) -> None:
             print(f"decode attention in hf_paged's worker, {r['requests']} requests, {c['dtype']} pages, "
                   f"{c['heads']}/{c['kv_heads']} heads of {c['head_dim']}, {c['threads']} threads: {c['path']} "
                   f"({c['source']}{': ' + times if times else ''})")
+        buckets = [f"<={c['rows']} tokens {'SDPA' if c['path'] == 'torch' else c['path']} ("
+                   + ", ".join(f"{'SDPA' if n == 'torch' else n} {us:.0f} us" for n, us in c["us"].items()) + ")"
+                   for c in sorted(r.get("prefill_attention", []), key=lambda c: c["rows"])]
+        if buckets:
+            c = r["prefill_attention"][0]
+            print(f"prompt attention in hf_paged's worker, {r['requests']} requests, {c['dtype']}, {c['heads']}/"
+                  f"{c['kv_heads']} heads of {c['head_dim']}, {c['threads']} threads: {'; '.join(buckets)}")
 
 
 def print_small_linears(results: list[dict]) -> None:

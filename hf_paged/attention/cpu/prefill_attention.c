@@ -7,7 +7,7 @@
  * last row in 16 x 16 tiles, a softmax per row over its own keys (key j <= row i: causal), in fp32, and the rows'
  * outputs as sums of value rows weighted by the probabilities, four rows at a time, divided by the row's sum last;
  * bf16 outputs rounded to nearest even as torch rounds. The same arithmetic as SDPA's in another order, with an exp
- * of about 2 ulp (the scores minus their maximum are <= 0; below -87.3 the exp is taken at -87.3, ~1e-38).
+ * within 3e-7 relative (the scores minus their maximum are <= 0; below -87.3 it is taken at -87.3, ~1e-38).
  * Head dims 64 and 128 only (the loops are compiled for each); `prefill_attend` returns 0 when it ran, -1 for any
  * other head dim (the caller then runs SDPA).
  * scratch: floats, 2 * D * Lp + 16 * D + 16 * Lp, Lp = L rounded up to a multiple of 16. */
@@ -27,7 +27,7 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     uint32_t lsb = (v.u >> 16) & 1u; v.u += 0x7fffu + lsb; return (uint16_t)(v.u >> 16);
 }
 
-static inline float exp_neg(float x) {  /* e^x for x <= 0 (x >= -87.3: else 0), ~2 ulp; vectorizable */
+static inline float exp_neg(float x) {  /* e^x for x <= 0 (below -87.3: e^-87.3), within 3e-7 relative; vectorizable */
     x = x < -87.3f ? -87.3f : x;
     float n = __builtin_roundevenf(x * 1.44269504088896341f);
     float r = x - n * 0.693145751953125f;

@@ -132,3 +132,17 @@ def test_an_engine_that_takes_it_gives_hfs_tokens(monkeypatch, dtype):
         with torch.inference_mode():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_its_threads_give_the_same_bits(dtype):
+    """The 16-row blocks spread over torch's threads: each row is computed the same way whichever thread takes it."""
+    q, k, v = inputs(150, 8, 2, 64, dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = prefill_kernel.load_prefill_kernel()(q, k, v, 0.125)
+        torch.set_num_threads(3)
+        assert torch.equal(prefill_kernel.load_prefill_kernel()(q, k, v, 0.125), one)
+    finally:
+        torch.set_num_threads(threads)

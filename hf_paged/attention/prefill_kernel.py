@@ -12,8 +12,8 @@ Invariants:
 - Chosen per (dtype, heads, kv heads, head dim, prompt-length bucket (a power of two), torch threads): until chosen,
   the calls of a key take SDPA and the kernel in turn, each call timed (`decode_choice.Trial`: a warm-up each, a
   candidate more than twice as slow as the other after one counted call is out, then the medians of 5); SDPA stays
-  unless the kernel measured more than 5 % faster. One thread: the kernel does not split its work (SDPA splits over
-  heads), so at more threads the trial decides again.
+  unless the kernel measured more than 5 % faster. It spreads its 16-row query blocks over torch's threads
+  (`torch.get_num_threads()`, the same OpenMP pool).
 - The same attention as SDPA's in another order of the sums, with an exp within 3e-7 relative (measured over [-87, 0]).
 - `HF_PAGED_CPU_PREFILL=0`: never (not built); `=kernel` forces it wherever it may run (tests); `prefill_choices()`
   lists what was chosen.
@@ -44,7 +44,7 @@ class PrefillKernel:
     def __init__(self, path: Path):
         fn = ctypes.CDLL(str(path)).prefill_attend
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_float, ctypes.c_int, ptr]
+        fn.argtypes = [ptr] * 4 + [i64] * 4 + [ctypes.c_float, ctypes.c_int, ptr, ctypes.c_int]
         fn.restype = ctypes.c_int
         self.fn = fn
 
@@ -53,11 +53,11 @@ class PrefillKernel:
         """query [L, H, D], key / value [L, G, D] -> [L, H, D] (`takes` checked by the caller)."""
         query, key, value = (t if t.is_contiguous() else t.contiguous() for t in (query, key, value))
         length, heads, head_dim = query.shape
-        padded = -(-length // 16) * 16
-        scratch = torch.empty(2 * head_dim * padded + 16 * head_dim + 16 * padded, dtype=torch.float32)
+        padded, threads = -(-length // 16) * 16, torch.get_num_threads()
+        scratch = torch.empty(2 * head_dim * padded + threads * 16 * (head_dim + padded), dtype=torch.float32)
         out = torch.empty_like(query)
         status = self.fn(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), length, heads,
-                         key.shape[1], head_dim, scale, int(query.dtype is torch.bfloat16), scratch.data_ptr())
+                         key.shape[1], head_dim, scale, int(query.dtype is torch.bfloat16), scratch.data_ptr(), threads)
         if status != 0:  # pragma: no cover - `takes` lets only what the kernel runs through
             raise ValueError(f"prefill kernel refused q {tuple(query.shape)}, k {tuple(key.shape)}")
         return out

@@ -10,10 +10,17 @@
  * within 3e-7 relative (the scores minus their maximum are <= 0; below -87.3 it is taken at -87.3, ~1e-38).
  * Head dims 64 and 128 only (the loops are compiled for each); `prefill_attend` returns 0 when it ran, -1 for any
  * other head dim (the caller then runs SDPA).
- * scratch: floats, 2 * D * Lp + 16 * D + 16 * Lp, Lp = L rounded up to a multiple of 16. */
+ * The blocks of 16 query rows of a key/value head's query heads are spread over `threads` OpenMP threads (the
+ * libgomp torch loaded: built with -fopenmp like the decode kernel), each with its own part of the scratch.
+ * scratch: floats, 2 * D * Lp + threads * (16 * D + 16 * Lp), Lp = L rounded up to a multiple of 16. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static int omp_get_thread_num(void) { return 0; }
+#endif
 
 #define RB 16 /* query rows per block */
 #define KB 16 /* keys per tile */
@@ -45,14 +52,12 @@ static inline float exp_neg(float x) {  /* e^x for x <= 0 (below -87.3: e^-87.3)
 
 #define ATTEND(NAME, DD) \
 static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64_t L, int64_t H, int64_t G, \
-                 float scale, int dtype, float *scratch) { \
+                 float scale, int dtype, float *scratch, int threads) { \
     const int64_t D = DD; \
     int64_t Lp = (L + KB - 1) / KB * KB; \
     float *kt = scratch;             /* [D][Lp] */ \
     float *vv = kt + D * Lp;         /* [Lp][D] */ \
-    float *qb = vv + Lp * D;         /* [RB][D] */ \
-    float *s = qb + RB * D;          /* [RB][Lp] */ \
-    int64_t per = H / G; \
+    int64_t per = H / G, blocks = (L + RB - 1) / RB; \
     for (int64_t g = 0; g < G; g++) { \
         for (int64_t j = 0; j < Lp; j++) { \
             for (int64_t d = 0; d < D; d++) { \
@@ -66,8 +71,12 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
                 vv[j * D + d] = vx; \
             } \
         } \
-        for (int64_t h = g * per; h < (g + 1) * per; h++) { \
-            for (int64_t r0 = 0; r0 < L; r0 += RB) { \
+        _Pragma("omp parallel for schedule(dynamic) num_threads(threads) if(threads > 1)") \
+        for (int64_t item = 0; item < per * blocks; item++) { \
+            { \
+                int64_t h = g * per + item / blocks, r0 = item % blocks * RB; \
+                float *qb = vv + Lp * D + (int64_t)omp_get_thread_num() * (RB * D + RB * Lp); /* [RB][D] */ \
+                float *s = qb + RB * D;  /* [RB][Lp] */ \
                 int64_t rows = L - r0 < RB ? L - r0 : RB; \
                 for (int64_t r = 0; r < RB; r++) \
                     for (int64_t d = 0; d < D; d++) { \
@@ -131,10 +140,10 @@ ATTEND(attend_64, 64)
 ATTEND(attend_128, 128)
 
 int prefill_attend(const void *q, const void *k, const void *v, void *o, int64_t L, int64_t H, int64_t G,
-                   int64_t D, float scale, int dtype, float *scratch) {
-    if (L <= 0 || G <= 0 || H % G != 0) return -1;
-    if (D == 64) attend_64(q, k, v, o, L, H, G, scale, dtype, scratch);
-    else if (D == 128) attend_128(q, k, v, o, L, H, G, scale, dtype, scratch);
+                   int64_t D, float scale, int dtype, float *scratch, int threads) {
+    if (L <= 0 || G <= 0 || H % G != 0 || threads < 1) return -1;
+    if (D == 64) attend_64(q, k, v, o, L, H, G, scale, dtype, scratch, threads);
+    else if (D == 128) attend_128(q, k, v, o, L, H, G, scale, dtype, scratch, threads);
     else return -1;
     return 0;
 }

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.model import fused_layers, linear_choice, packed_linear
+from hf_paged.model import fused_layers, layer_copies, linear_choice, onednn_linear, packed_linear
 from hf_paged.model.fused_layers import FusedLayers
 from hf_paged.model.linear_choice import TABLE
 from hf_paged.tiny import tiny_model
@@ -233,7 +233,8 @@ def test_the_trial_keeps_the_class_forward_unless_the_fused_one_is_faster(monkey
 
 @pytest.mark.skipif(not packed_linear.supported(), reason="no oneDNN bf16")
 def test_an_fp32_choice_leaves_a_bf16_models_copies_of_the_same_shape():
-    """Choices are per dtype ("layer", "layer bf16"): an fp32 bucket keeping the class forward drops only fp32 copies."""
+    """Choices are per dtype ("layer", "layer bf16"): an fp32 bucket keeping the class forward drops only fp32
+    copies."""
     bf16 = llama(dtype=torch.bfloat16)
     fp32 = llama()
     with pytest.MonkeyPatch.context() as patch:
@@ -245,3 +246,27 @@ def test_an_fp32_choice_leaves_a_bf16_models_copies_of_the_same_shape():
     TABLE.fast[key] = fused_layers.CLASS
     fused_layers._after_choice(key)
     assert all(c is None for c in copies(fp32)) and all(c is not None for c in copies(bf16))
+
+
+@pytest.mark.skipif(not onednn_linear.available(), reason="no oneDNN")
+def test_fp32_layers_on_onednn_copies_give_hfs_tokens(monkeypatch, calls):
+    """The third candidate of an fp32 layer's trial: its joined weights packed by oneDNN. Chosen (forced through the
+    trial), it runs from its own copies and the transposed ones go."""
+    fastest = linear_choice.fastest
+    monkeypatch.setattr(linear_choice, "fastest", lambda seconds, baseline=linear_choice.BASELINE: (
+        fused_layers.FUSED_ONEDNN if fused_layers.FUSED_ONEDNN in seconds else fastest(seconds, baseline)))
+    monkeypatch.setattr(linear_choice, "DROP", float("inf"))
+    monkeypatch.setattr(linear_choice, "LONG_DROP", float("inf"))
+    model = llama()
+    llm = new_llm(model)
+    for _ in range(8):
+        assert_hf(llm, model)
+        if any(k.dtype == "layer" for k in TABLE.fast):
+            break
+    chosen = {c.path for k, c in TABLE.choices.items() if k.dtype == "layer"}
+    assert chosen == {fused_layers.FUSED_ONEDNN}
+    before = calls["fused"]
+    assert_hf(llm, model)
+    assert calls["fused"] > before
+    assert all(c is None for c in copies(model))
+    assert all((c := layer_copies._ONEDNN.get(m)) is not None and c.onednn for m in model.model.layers)

@@ -67,6 +67,7 @@ def print_small_linears(results: list[dict]) -> None:
 # argmax; a Llama-coded decoder layer (dtype "layer", model/fused_layers.py): its class forward or the fused one
 PRODUCT_LABELS = {"kernel": "kernel", "w_xt": "W @ x^T", "wt_copy": "x @ W^T copy", "onednn": "oneDNN",
                   "packed": "packed", "f_linear": "F.linear", "class": "layer's class forward", "fused": "fused layer",
+                  "fused_onednn": "fused on oneDNN",
                   "screen": "bf16 screen", "screen_i8": "int8 screen", "logits": "head + argmax"}
 
 

@@ -10,7 +10,9 @@ makes the class code's calls of the norms (Qwen3's q / k norms too), the rotary 
 (with the sliding window Mistral's, Qwen2's and Qwen3's code pass; their forwards: hf_paged's fused norm and rotary
 passes where swapped in), and computes the projections from copies of the weights, joined (`LayerCopies`):
 h @ [Wq; Wk; Wv]^T in one product, residual + o @ Wo^T in one, h @ [Wgate; Wup]^T in one, act(gate) * up,
-residual + that @ Wdown^T. fp32 layers: transposed copies, the residual adds inside `addmm`. bf16 layers: the joined
+residual + that @ Wdown^T (`layer_copies`). fp32 layers: transposed copies, the residual adds inside `addmm`, or —
+a third candidate of their trial — the copies packed by oneDNN, as bf16 ones always are (on a Zen 5 EPYC MKL runs its
+AVX2 code: a decode step 28.4-30.5 ms on the class forward, 27.4-28.5 fused on oneDNN's). bf16 layers: the joined
 weights packed by oneDNN (`torch.ops.mkldnn._reorder_linear_weight`, multiplied as `packed_linear` does: F.linear's
 own oneDNN product without a reorder on every call), each residual added to the product rounded to bf16, as the class
 code adds it (a 64-row decode layer on a Zen 5 EPYC: 1.92-2.07 ms class, 1.65-1.79 fused). The same sums as the
@@ -28,31 +30,29 @@ Invariants:
   the class forward). `LLM.reset_prefix_cache()` drops them too.
 - Measured: the first calls of each (hidden, widths, dtype, row bucket, threads) once its projections' own products
   are chosen (`small_linear`: the class forward is then timed as it will run) run the class forward and this one in
-  turn, each call timed whole in the real step (`linear_choice.TABLE`, dtype "layer", or "layer bf16"); the class
-  forward stays unless this one measured more than 5 % faster. A layer bucket that keeps the class forward drops its
-  copies. `HF_PAGED_FUSED_LAYERS=0` turns the path off, `=force` takes it wherever it may, untimed (tests).
+  turn (fp32: also the fused one on oneDNN's copies), each call timed whole in the real step (`linear_choice.TABLE`,
+  dtype "layer", or "layer bf16"); the class forward stays unless a fused one measured more than 5 % faster. The
+  copies of a layout no bucket of the shape chose are dropped. `HF_PAGED_FUSED_LAYERS=0` turns the path off,
+  `=force` takes it (on the transposed copies for fp32) wherever it may, untimed (tests).
 """
 from __future__ import annotations
 
 import functools
 import os
 import types
-import weakref
 from contextlib import contextmanager
 
 import torch
 
-from . import layer_code, packed_linear, read_rows
+from . import layer_code, layer_copies, onednn_linear, packed_linear, read_rows
+from .layer_copies import _COPIES, LayerCopies, Samples, copies_for, copyable, forget, layer_shape  # noqa: F401
 from .fused_norms import swapped_forwards
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD
 
 SWITCH = "HF_PAGED_FUSED_LAYERS"
 MAX_ROWS = 128
-DTYPES = (torch.float32, torch.bfloat16)
-CLASS, FUSED = "class", "fused"  # the trial's candidates (the class forward is the baseline)
-_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, LayerCopies]" = weakref.WeakKeyDictionary()  # layer -> copies
-packed_linear.EXTRA_STORES.append(_COPIES)
+CLASS, FUSED, FUSED_ONEDNN = "class", "fused", "fused_onednn"  # the trial's candidates (the class forward: baseline)
 
 
 def mode() -> str:
@@ -66,25 +66,9 @@ def projections(parts: tuple) -> list[torch.nn.Module]:
             mlp.down_proj]
 
 
-def layer_shape(weights: list[torch.Tensor]) -> tuple:
-    """(hidden, each projection's out features): the trial key's shape."""
-    return (weights[0].shape[1], *(w.shape[0] for w in weights))
-
-
-def _copy_kind(weight: torch.Tensor):
-    """How a weight of this dtype is copied: fp32 transposed (MKL's plain product), bf16 packed by oneDNN."""
-    return packed_linear.TRANSPOSED if weight.dtype is torch.float32 else None
-
-
-def _copyable(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    if weight.dtype is not dtype or dtype not in DTYPES or (dtype is torch.bfloat16 and not packed_linear.supported()):
-        return False
-    return packed_linear.weight_packable(weight, _copy_kind(weight))
-
-
 def _plain_linears(modules: list) -> bool:
     dtype = modules[0].weight.dtype
-    return all(type(m) is torch.nn.Linear and _copyable(m.weight, dtype) for m in modules) and _biases_plain(modules)
+    return all(type(m) is torch.nn.Linear and copyable(m.weight, dtype) for m in modules) and _biases_plain(modules)
 
 
 def _biases_plain(modules: list) -> bool:
@@ -98,99 +82,6 @@ def _biases_plain(modules: list) -> bool:
     return all(b is not None and b.dtype is m.weight.dtype and b.is_cpu and b.dim() == 1
                and b.shape[0] == m.out_features and type(b.data) is torch.Tensor
                for b, m in zip(biases[:3], modules[:3]))
-
-
-class LayerCopies:
-    """A layer's seven weights joined (q/k/v and gate/up each as one weight): fp32 ones transposed ([in, out] each,
-    side by side), bf16 ones packed by oneDNN (`onednn`); with a `packed_linear.PackedCopy` record of what each was
-    made from (its `packed`: for fp32 the view of that weight's columns)."""
-    __slots__ = ("qkv", "o", "gate_up", "down", "widths", "records", "nbytes", "shape", "onednn", "__weakref__")
-
-    def __init__(self, weights: list[torch.Tensor]):
-        self.onednn = weights[0].dtype is not torch.float32
-        with torch.no_grad():
-            q, k, v, o, gate, up, down = (w.detach() for w in weights)
-            if self.onednn:
-                pack = functools.partial(torch.ops.mkldnn._reorder_linear_weight, batch_size=packed_linear.BATCH_HINT)
-                self.qkv, self.o, self.gate_up, self.down = pack(torch.cat([q, k, v])), pack(o), \
-                    pack(torch.cat([gate, up])), pack(down)
-            else:
-                self.qkv, self.o = torch.cat([q, k, v]).t().contiguous(), o.t().contiguous()
-                self.gate_up, self.down = torch.cat([gate, up]).t().contiguous(), down.t().contiguous()
-        nq, nk, ni = q.shape[0], k.shape[0], gate.shape[0]
-        self.widths = (nq, nk, ni)
-        if self.onednn:  # records only: what each weight was when packed (no view of it)
-            views = [torch.empty(0, dtype=torch.float32)] * 7
-        else:
-            views = [self.qkv[:, :nq], self.qkv[:, nq:nq + nk], self.qkv[:, nq + nk:], self.o, self.gate_up[:, :ni],
-                     self.gate_up[:, ni:], self.down]
-        self.records = [packed_linear.PackedCopy(w, packed_linear.TRANSPOSED, made=view)
-                        for w, view in zip(weights, views)]
-        self.nbytes = sum(packed_linear._packed_bytes(t, t) for t in (self.qkv, self.o, self.gate_up, self.down))
-        self.shape = layer_shape(weights)
-
-    def matches(self, weights: list[torch.Tensor]) -> bool:
-        return all(record.matches(w) for record, w in zip(self.records, weights))
-
-
-def copies_for(layer: torch.nn.Module, weights: list[torch.Tensor]) -> LayerCopies | None:
-    """`layer`'s copies of `weights` as they are now (made again if they changed), or None: over the budget, or
-    weights a transposed copy does not take (`packed_linear.weight_packable`: no longer fp32 CPU parameters, ...)."""
-    copies = _COPIES.get(layer)
-    if copies is not None and copies.matches(weights):
-        return copies
-    if not all(_copyable(w, weights[0].dtype) for w in weights):  # cast, moved, ...
-        return None
-    with packed_linear._LOCK:
-        _COPIES.pop(layer, None)
-        need = sum(w.numel() * w.element_size() for w in weights)
-        if sum(c.nbytes for c in packed_linear._all_copies()) + need > packed_linear._budget_bytes():
-            return None
-        try:
-            copies = LayerCopies(weights)
-        except (RuntimeError, MemoryError):
-            return None
-        _COPIES[layer] = copies
-        return copies
-
-
-def forget(layers) -> int:
-    with packed_linear._LOCK:
-        return sum(_COPIES.pop(layer, None) is not None for layer in layers)
-
-
-class Samples:
-    """The sample runs of the copied weights of some layers (`check`), with the views and the values they were
-    copied with kept between forwards while the same copies live (joined again when they change)."""
-
-    def __init__(self):
-        self.seen: list = []  # weak references to the LayerCopies the views below were taken for
-        self.views: list[torch.Tensor] = []
-        self.values: torch.Tensor | None = None
-
-    def check(self, layers: list, projections_of: list) -> bool:
-        """True when every sample run of the copied weights of `layers` (whose projections are `projections_of`)
-        holds its value when copied; else their copies are all dropped (made again on use). A copy whose weight now
-        has other storage is dropped alone (it would be made again on its next call anyway)."""
-        live = [(layer, c, mods) for layer, mods in zip(layers, projections_of)
-                if (c := _COPIES.get(layer)) is not None]
-        moved = [layer for layer, c, mods in live
-                 if not all(r.same_storage(m.weight) for r, m in zip(c.records, mods))]
-        if moved:
-            forget(moved)
-            live = [entry for entry in live if entry[0] not in moved]
-        if not live:
-            self.seen, self.views, self.values = [], [], None
-            return True
-        if len(live) != len(self.seen) or any(ref() is not c for ref, (_, c, _) in zip(self.seen, live)):
-            self.seen = [weakref.ref(c) for _, c, _ in live]
-            self.views = [v for _, c, mods in live for r, m in zip(c.records, mods) for v in r.sample_views(m.weight)]
-            self.values = torch.cat([r.values for _, c, _ in live for r in c.records])
-        if torch.equal(packed_linear._bits(torch.cat(self.views)), self.values):
-            return True
-        self.seen, self.views, self.values = [], [], None
-        forget(layers)
-        return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -287,12 +178,12 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
         return _class(self, cache, *args)
     if chosen is None and _projection_trials_open(mods, key.rows):  # theirs first: the class forward timed as it runs
         return _class(self, cache, *args)
-    copies = copies_for(self, [m.weight for m in mods])
     if chosen is None:
-        name, chosen = TABLE.pick(key, {CLASS: CLASS, FUSED: FUSED})
-        if chosen == FUSED and copies is None:  # over the budget: this candidate is out, this call untimed
-            TABLE.record(key, name, float("inf"), baseline=CLASS)
-            name, chosen = None, CLASS
+        name, chosen = TABLE.pick(key, _candidates(mods[0].weight.dtype))
+    copies = None if chosen == CLASS else copies_for(self, [m.weight for m in mods], chosen == FUSED_ONEDNN)
+    if name is not None and chosen != CLASS and copies is None:  # over the budget: out, this call untimed
+        TABLE.record(key, name, float("inf"), baseline=CLASS)
+        name, chosen = None, CLASS
     if chosen == CLASS or copies is None:
         run = lambda: _class(self, cache, *args)  # noqa: E731
     else:
@@ -305,21 +196,31 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
     return out
 
 
+def _candidates(dtype: torch.dtype) -> dict:
+    """The class forward, the fused one on its dtype's copies and, for fp32 where oneDNN packs, on oneDNN's."""
+    fused = {CLASS: CLASS, FUSED: FUSED}
+    if dtype is torch.float32 and onednn_linear.available() and packed_linear.mode() != "off":
+        fused[FUSED_ONEDNN] = FUSED_ONEDNN
+    return fused
+
+
 def _key_dtype(dtype: torch.dtype) -> str:
     """The trial key's dtype: "layer" (fp32, as before) or "layer bf16"."""
     return "layer" if dtype is torch.float32 else "layer bf16"
 
 
 def _after_choice(key: Key) -> None:
-    """Once a bucket's choice is made: the copies of layers of its shape go unless some bucket of the shape chose the
-    fused forward; where it did, their projections' own transposed copies go (their few-row calls do not run)."""
-    fused = any(k.dtype == key.dtype and k.shape == key.shape and chosen == FUSED
-                for k, chosen in list(TABLE.fast.items()))
-    with packed_linear._LOCK:
-        layers = [layer for layer, c in list(_COPIES.items()) if c.shape == key.shape
-                  and _key_dtype(c.records[0].dtype) == key.dtype]
-    if not fused:
-        forget(layers)
+    """Once a bucket's choice is made: the copies of each layout of layers of its shape go unless some bucket of the
+    shape chose the fused forward on that layout; where one did, their projections' own copies go (their few-row
+    calls do not run)."""
+    kept = {chosen for k, chosen in list(TABLE.fast.items()) if k.dtype == key.dtype and k.shape == key.shape}
+    for store, variant in ((layer_copies._COPIES, FUSED), (layer_copies._ONEDNN, FUSED_ONEDNN)):
+        if variant not in kept:
+            with packed_linear._LOCK:
+                layers = [layer for layer, c in list(store.items()) if c.shape == key.shape
+                          and _key_dtype(c.records[0].dtype) == key.dtype]
+            forget(layers, (store,))
+    if not kept & {FUSED, FUSED_ONEDNN}:
         return
     same = [mods for _, mods, _ in THIS_THREAD.fused_layers.values() if mods is not None
             and layer_shape([m.weight for m in mods]) == key.shape and _key_dtype(mods[0].weight.dtype) == key.dtype]

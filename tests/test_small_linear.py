@@ -245,6 +245,7 @@ def test_a_step_whose_products_are_all_f_linear_swaps_nothing(monkeypatch):
     proj_many = (net.proj.weight.shape, torch.float32, 256, torch.get_num_threads(), False)
     monkeypatch.setattr(TABLE, "fast", {**TABLE.fast, proj_many: torch.nn.functional.linear})
     assert linears.plain(many, 1)
+    assert linears.plain_steps == {(3, 1, torch.get_num_threads()), (many, 1, torch.get_num_threads())}
     other = SmallBatchLinears(net)
     monkeypatch.setattr(TABLE, "fast", {**TABLE.fast, next(iter(fast)): small_linear._w_xt})
     assert not other.plain(3, 1)

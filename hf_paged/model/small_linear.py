@@ -344,12 +344,12 @@ class SmallBatchLinears:
             weight = module.weight
             fp32 = weight.dtype == torch.float32  # the packed (bf16) products' keys say kernel=False
             if 0 < m <= KERNEL_MAX_ROWS:
-                key = (weight.shape, weight.dtype, BUCKET_OF[m], threads, kernel and fp32)
+                choice = (weight.shape, weight.dtype, BUCKET_OF[m], threads, kernel and fp32)
             elif m > KERNEL_MAX_ROWS and fp32:  # bf16 linears of many rows take F.linear (oneDNN's own)
-                key = (weight.shape, weight.dtype, many_bucket(m), threads, False)
+                choice = (weight.shape, weight.dtype, many_bucket(m), threads, False)
             else:
                 continue
-            if fast.get(key) is not torch.nn.functional.linear:
+            if fast.get(choice) is not torch.nn.functional.linear:
                 return False
         self.plain_steps.add(key)
         return True

@@ -157,3 +157,9 @@ if __name__ == "__main__":
     if dist.is_initialized():  # transformers' tensor-parallel loading made subgroups of its own: all go, in step
         dist.barrier()
         dist.destroy_process_group()
+    # then leave without the interpreter's teardown: in about one full-suite run in three on a 2-core EPYC, a rank
+    # aborted there ("terminate called without an active exception", SIGABRT: gloo's pairs tearing down as the other
+    # rank's process went) after both had written all four results; the results are what the tests compare
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -34,6 +34,8 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
     uint32_t lsb = (v.u >> 16) & 1u; v.u += 0x7fffu + lsb; return (uint16_t)(v.u >> 16);
 }
 
+/* The decode kernel's polynomial (paged_decode.c's exp_nonpositive) with a rounded-to-even n and the Cody-Waite split
+ * of ln 2 in float: kept in this file, as each native source is built and cached alone, by its own hash. */
 static inline float exp_neg(float x) {  /* e^x for x <= 0 (below -87.3: e^-87.3), within 3e-7 relative; vectorizable */
     x = x < -87.3f ? -87.3f : x;
     float n = __builtin_roundevenf(x * 1.44269504088896341f);

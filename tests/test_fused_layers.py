@@ -73,7 +73,7 @@ def new_llm(model):
 
 
 def copies(model):
-    return [fused_layers._COPIES.get(m) for m in model.model.layers]
+    return [layer_copies._COPIES.get(m) for m in model.model.layers]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -181,11 +181,11 @@ def test_a_hook_on_any_part_keeps_the_class_forward(monkeypatch, calls):
     llm = new_llm(model)
     assert_hf(llm, model)
     assert seen and calls["fused"] > 0  # the other layer took the fused path, the hooked one the class forward
-    assert fused_layers._COPIES.get(model.model.layers[1]) is None
+    assert layer_copies._COPIES.get(model.model.layers[1]) is None
     handle.remove()
     seen.clear()
     engine_tokens(llm)
-    assert not seen and fused_layers._COPIES.get(model.model.layers[1]) is not None
+    assert not seen and layer_copies._COPIES.get(model.model.layers[1]) is not None
 
 
 def test_over_the_memory_budget_the_class_forward_runs(monkeypatch, calls):

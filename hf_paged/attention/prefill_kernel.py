@@ -80,12 +80,13 @@ def takes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, sdpa) -> torch.Tensor:
     """One fresh prompt's causal attention: `sdpa()` (torch's) or the kernel, whichever this key chose or its trial
     names now (timed)."""
-    if os.environ.get(SWITCH, "1").strip() == "0" or not takes(query, key, value):
+    switch = os.environ.get(SWITCH, "").strip().lower()
+    if switch == "0" or not takes(query, key, value):
         return sdpa()
     kernel = load_prefill_kernel()
     if kernel is None:
         return sdpa()
-    if os.environ.get(SWITCH, "").strip().lower() == "kernel":
+    if switch == "kernel":
         return kernel(query, key, value, scale)
     length = query.shape[0]
     bucket = 1 << max(length - 1, 0).bit_length()

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 import torch
 
 from . import layer_code, layer_copies, onednn_linear, packed_linear, read_rows
-from .layer_copies import _COPIES, LayerCopies, Samples, copies_for, copyable, forget, layer_shape  # noqa: F401
+from .layer_copies import LayerCopies, Samples, copies_for, copyable, forget, layer_shape
 from .fused_norms import swapped_forwards
 from .linear_choice import BUCKET_OF, TABLE, Key
 from .switches import THIS_THREAD

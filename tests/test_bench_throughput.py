@@ -8,7 +8,7 @@ import pytest
 
 import hf_paged
 from hf_paged.bench import throughput, throughput_report
-from hf_paged.model.linear_choice import SAMPLES
+from hf_paged.trials import SAMPLES
 
 TINY = dict(model=dict(vocab_size=300, hidden=32, layers=1, heads=2, kv_heads=1, max_len=512, intermediate_size=64),
             prompt_len=(4, 12), requests=[3], max_tokens=4)

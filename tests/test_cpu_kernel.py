@@ -97,10 +97,10 @@ def test_native_cpu_decode_kernel_reads_bf16_pages(head_dim, heads, kv_heads, wi
     assert cpu_kernel.usable(query, kc)
     direct = load_cpu_kernel()(query, kc, vc, tables.long(), ctx.long(), head_dim ** -0.5, window, None)
     monkeypatch.setenv(decode_choice.SWITCH, "kernel")  # the kernel's own default path, not a timed trial's pick
-    decode_choice.clear()
+    decode_choice.TABLE.clear()
     auto = paged_attention(query, kc, vc, cu, ctx, tables, scale=head_dim ** -0.5, sliding_window=window,
                            backend="auto")
     assert direct.dtype == torch.bfloat16
     torch.testing.assert_close(direct.double(), ref, atol=1e-2, rtol=1e-2)
-    decode_choice.clear()  # the forced choice stays with this test
+    decode_choice.TABLE.clear()  # the forced choice stays with this test
     assert torch.equal(auto, direct)

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.skipif(load_cpu_kernel() is None, reason="no C compiler
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.delenv(decode_choice.SWITCH, raising=False)
-    decode_choice.clear()
+    decode_choice.TABLE.clear()
     yield
-    decode_choice.clear()
+    decode_choice.TABLE.clear()
 
 
 def drive(key, costs: dict[str, float], limit: int = 200) -> dict[str, int]:
@@ -29,7 +29,7 @@ def drive(key, costs: dict[str, float], limit: int = 200) -> dict[str, int]:
         if not timed:
             return calls
         calls[path] += 1
-        decode_choice.record(key, path, costs[path])
+        decode_choice.TABLE.record(key, path, costs[path])
     raise AssertionError("the trial never ended")
 
 
@@ -58,7 +58,7 @@ def test_a_head_dim_without_the_vector_path_chooses_between_the_others():
 def test_choices_are_per_shape_and_thread_count_and_other_calls_wait_untimed():
     key = decode_choice.key_of(torch.float32, 8, 2, 64, 16)
     assert decode_choice.pick(key, may_time=False) == ("auto", False)  # a mixed step: the kernel's default
-    assert not decode_choice._TRIALS
+    assert not decode_choice.TABLE.trials
     drive(key, {"torch": 10.0, "keys": 2.0, "vector": 1.0})
     threads = torch.get_num_threads()
     try:

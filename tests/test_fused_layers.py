@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from hf_paged import trials
 import hf_paged
 from hf_paged.model import fused_layers, layer_copies, linear_choice, onednn_linear, packed_linear
 from hf_paged.model.fused_layers import FusedLayers
@@ -215,7 +216,7 @@ def test_projections_an_adapter_wraps_are_not_fused():
 def test_the_trial_keeps_the_class_forward_unless_the_fused_one_is_faster(monkeypatch, fused_cost, chosen):
     monkeypatch.setenv("HF_PAGED_SMALL_LINEARS", "0")  # no trials of the projections' own products meanwhile
     clock = type("Clock", (), {"now": 0.0, "__call__": lambda self: self.now})()
-    monkeypatch.setattr(linear_choice, "clock", clock)
+    monkeypatch.setattr(trials, "clock", clock)
     for attribute, cost in (("_fused", fused_cost), ("_class", 3.0)):
         real = getattr(fused_layers, attribute)
 
@@ -252,11 +253,11 @@ def test_an_fp32_choice_leaves_a_bf16_models_copies_of_the_same_shape():
 def test_fp32_layers_on_onednn_copies_give_hfs_tokens(monkeypatch, calls):
     """The third candidate of an fp32 layer's trial: its joined weights packed by oneDNN. Chosen (forced through the
     trial), it runs from its own copies and the transposed ones go."""
-    fastest = linear_choice.fastest
-    monkeypatch.setattr(linear_choice, "fastest", lambda seconds, baseline=linear_choice.BASELINE: (
+    fastest = trials.fastest
+    monkeypatch.setattr(trials, "fastest", lambda seconds, baseline: (
         fused_layers.FUSED_ONEDNN if fused_layers.FUSED_ONEDNN in seconds else fastest(seconds, baseline)))
-    monkeypatch.setattr(linear_choice, "DROP", float("inf"))
-    monkeypatch.setattr(linear_choice, "LONG_DROP", float("inf"))
+    monkeypatch.setattr(trials, "DROP", float("inf"))
+    monkeypatch.setattr(trials, "LONG_DROP", float("inf"))
     model = llama()
     llm = new_llm(model)
     for _ in range(8):

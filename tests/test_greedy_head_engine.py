@@ -6,7 +6,8 @@ import torch
 
 import hf_paged
 from hf_paged.model import greedy_head
-from hf_paged.model.linear_choice import SAMPLES, TABLE
+from hf_paged.model.linear_choice import TABLE
+from hf_paged.trials import SAMPLES
 
 from conftest import cached_model
 

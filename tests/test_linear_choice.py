@@ -10,9 +10,11 @@ import threading
 import pytest
 import torch
 
+from hf_paged import trials
 from hf_paged.model import SmallBatchLinears, linear_choice, small_linear
-from hf_paged.model.linear_choice import BUCKET_OF, BUCKETS, DROP, SAMPLES, TABLE, Key, Trial, fastest
+from hf_paged.model.linear_choice import BUCKET_OF, BUCKETS, TABLE, Key
 from hf_paged.model.small_linear import load_small_gemm
+from hf_paged.trials import SAMPLES, Trial
 
 
 class FakeClock:
@@ -30,7 +32,7 @@ class Fakes:
     def __init__(self, monkeypatch, costs: dict[str, float]):
         self.clock, self.costs, self.probes, self.made, self.barrier = FakeClock(), dict(costs), 0, 0, None
         self.calls = dict.fromkeys(costs, 0)
-        monkeypatch.setattr(linear_choice, "clock", self.clock)
+        monkeypatch.setattr(trials, "clock", self.clock)
         self.real = small_linear.candidates
         monkeypatch.setattr(small_linear, "candidates", self.candidates)
         fakes = self
@@ -39,7 +41,7 @@ class Fakes:
             def __post_init__(self):
                 fakes.probes += 1
                 super().__post_init__()
-        monkeypatch.setattr(linear_choice, "Trial", CountedTrial)
+        monkeypatch.setattr(trials, "Trial", CountedTrial)
 
     def candidates(self, kernel):
         """Made on each call that found no choice (before the table's lock); `barrier`: wait for other threads."""
@@ -83,81 +85,6 @@ def settle(net, x, calls: int = 1):
             return want
         torch.testing.assert_close(run(net, x), want, rtol=1e-5, atol=1e-5)
     raise AssertionError("the trial never ended")
-
-
-def trial_of(costs: dict[str, list[float]]) -> tuple[Trial, dict[str, int]]:
-    """A Trial of fake candidates and a driver: each call of `name` costs its next listed time (the last repeats)."""
-    return Trial({name: name for name in costs}), dict.fromkeys(costs, 0)
-
-
-def drive(trial: Trial, costs: dict[str, list[float]], calls: dict[str, int], limit: int = 100):
-    """Calls as the trial names them until it completes: (each candidate's seconds, the names in call order)."""
-    order = []
-    for _ in range(limit):
-        name = trial.next()
-        order.append(name)
-        cost = costs[name][min(calls[name], len(costs[name]) - 1)]
-        calls[name] += 1
-        done = trial.add(name, cost)
-        if done is not None:
-            return done, order
-    raise AssertionError("the trial never ended")
-
-
-def test_every_block_of_a_trial_runs_each_candidate_once_in_a_rotating_order():
-    trial, _ = trial_of({"a": [1.0], "b": [1.0], "c": [1.0]})
-    order = [trial.next() for _ in range(9)]
-    assert [sorted(order[i:i + 3]) for i in (0, 3, 6)] == [["a", "b", "c"]] * 3
-    assert order[:3] != order[3:6]  # rotates: layers of one shape called alternately meet every candidate
-    trial, _ = trial_of({"a": [1.0], "b": [1.0]})
-    order = [trial.next() for _ in range(8)]
-    assert order[0::2] != ["a"] * 4 and sorted(order[0::2]) == ["a", "a", "b", "b"]
-
-
-def test_a_trial_takes_each_candidates_median_after_a_warm_up(monkeypatch):
-    monkeypatch.setattr(linear_choice, "LONG_S", float("inf"))  # the costs here are seconds: no long-call rule
-    costs = {"slow": [9.0, 3.0, 5.0, 7.0, 4.0, 6.0, 3.5], "fast": [9.0, 5.0, 6.0, 2.0, 1.0, 1.5, 2.5]}
-    trial, calls = trial_of(costs)
-    seconds, order = drive(trial, costs, calls)
-    assert calls == {"slow": 1 + SAMPLES, "fast": 1 + SAMPLES}  # the warm-up call (9.0) not counted
-    assert seconds == {"slow": 5.0, "fast": 2.0}  # medians of the counted calls
-    assert trial.spent == sum(sum(c[:1 + SAMPLES]) for c in costs.values())
-    assert fastest(seconds) == "fast"
-
-
-def test_a_trial_drops_a_candidate_far_behind_twice(monkeypatch):
-    monkeypatch.setattr(linear_choice, "LONG_S", float("inf"))  # the costs here are seconds: no long-call rule
-    # warm-up, first counted call: w_xt 2.5x behind twice (out); f_linear behind once only (stays)
-    costs = {"kernel": [1.0, 1.0, 0.75], "w_xt": [2.5, 2.75, 0.125], "f_linear": [4.0, 1.25, 2.0]}
-    trial, calls = trial_of(costs)
-    seconds, _ = drive(trial, costs, calls)
-    assert calls == {"kernel": 1 + SAMPLES, "w_xt": 2, "f_linear": 1 + SAMPLES}
-    assert seconds == {"kernel": 0.75, "w_xt": 2.5, "f_linear": 2.0}  # w_xt: its better call
-    assert trial.names == ["kernel", "f_linear"]
-    times = {name: list(t) for name, t in trial.times.items()}
-    assert trial.add("w_xt", 1e-9) is None and trial.times == times  # a call of it still running elsewhere: ignored
-
-
-def test_a_trial_drops_a_candidate_closer_behind_on_long_calls():
-    """Calls of LONG_S and more (an LM head): 1.3x behind twice is out; on short calls it stays."""
-    long = {"kernel": [0.02], "w_xt": [0.026], "f_linear": [0.03, 0.022, 0.02]}
-    trial, calls = trial_of(long)
-    drive(trial, long, calls)
-    assert calls == {"kernel": 1 + SAMPLES, "w_xt": 2, "f_linear": 1 + SAMPLES}
-    short = {name: [t / 100 for t in times] for name, times in long.items()}
-    trial, calls = trial_of(short)
-    drive(trial, short, calls)
-    assert calls == dict.fromkeys(long, 1 + SAMPLES)
-    assert DROP > 1.3
-
-
-def test_a_fast_path_must_beat_f_linear_by_the_margin_and_ties_go_to_the_first():
-    assert fastest({"kernel": 2.0, "w_xt": 2.0, "f_linear": 3.0}) == "kernel"
-    assert fastest({"kernel": 2.0, "w_xt": 1.0, "f_linear": 3.0}) == "w_xt"
-    assert fastest({"kernel": 0.96, "w_xt": 0.99, "f_linear": 1.0}) == "f_linear"  # within 5 %: F.linear stays
-    assert fastest({"kernel": 0.94, "w_xt": 0.99, "f_linear": 1.0}) == "kernel"
-    assert fastest({"kernel": 1.1, "w_xt": 1.2, "f_linear": 1.0}) == "f_linear"
-    assert fastest({"kernel": 1.0, "w_xt": 0.99}) == "w_xt"  # no baseline: the least time
 
 
 def test_buckets_cover_every_row_count_with_the_smallest_power_of_two_at_or_above_it():
@@ -331,12 +258,13 @@ def test_a_real_trial_picks_one_of_its_candidates_and_keeps_results():
     (entry,) = small_linear.small_linear_choices()
     (choice,) = TABLE.choices.values()
     assert entry["path"] == choice.path and choice.path in choice.seconds
-    assert set(entry["us"]) == {"kernel", "w_xt", "wt_copy", "onednn", "f_linear"} and entry["probe_ms"] > 0 and not TABLE.trials
+    assert set(entry["us"]) == {"kernel", "w_xt", "wt_copy", "onednn", "f_linear"} and entry["probe_ms"] > 0
+    assert not TABLE.trials
 
 
 def test_a_call_that_chose_f_linear_runs_it_on_the_input_as_given(monkeypatch):
     """F.linear chosen: later calls hand it their input directly (no reshape, no checks), any shape or autograd."""
-    monkeypatch.setattr(linear_choice, "clock", FakeClock())  # every call takes no time: F.linear stays
+    monkeypatch.setattr(trials, "clock", FakeClock())  # every call takes no time: F.linear stays
     net = torch.nn.Linear(16, 8)
     x = torch.randn(2, 2, 16)
     settle(net, x)

@@ -4,9 +4,11 @@ product keeps no copy. Speeds are never measured here: a fake clock advances by 
 import pytest
 import torch
 
-from hf_paged.model import SmallBatchLinears, greedy_head, linear_choice, packed_linear
-from hf_paged.model.linear_choice import SAMPLES, TABLE
+from hf_paged import trials
+from hf_paged.model import SmallBatchLinears, greedy_head, packed_linear
+from hf_paged.model.linear_choice import TABLE
 from hf_paged.sampling import first_argmax
+from hf_paged.trials import SAMPLES
 
 
 class Clock:
@@ -20,7 +22,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     fake = Clock()
-    monkeypatch.setattr(linear_choice, "clock", fake)
+    monkeypatch.setattr(trials, "clock", fake)
     for name in (packed_linear.SWITCH, greedy_head.SWITCH):
         monkeypatch.delenv(name, raising=False)
     TABLE.clear()

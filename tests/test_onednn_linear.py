@@ -5,6 +5,7 @@ measured here: a fake clock advances by fixed costs."""
 import pytest
 import torch
 
+from hf_paged import trials
 import hf_paged
 from hf_paged.model import SmallBatchLinears, linear_choice, onednn_linear, small_linear
 from hf_paged.model.linear_choice import MANY_MAX, TABLE, Key, many_bucket
@@ -27,7 +28,7 @@ def fresh(monkeypatch):
 def many_costs(monkeypatch, each: dict[str, float]) -> dict[str, int]:
     """Every many-row candidate's call advances a fake clock by its cost; returns the calls counted per name."""
     now, calls = [0.0], dict.fromkeys(each, 0)
-    monkeypatch.setattr(linear_choice, "clock", lambda: now[0])
+    monkeypatch.setattr(trials, "clock", lambda: now[0])
     real = onednn_linear.many_row_products
 
     def products():
@@ -93,7 +94,7 @@ def test_many_rows_take_what_their_trial_chose(monkeypatch, winner):
     x = torch.randn(1, rows, 48)
     want = torch.nn.functional.linear(x, net.weight, net.bias)
     key = Key((40, 48), torch.float32, 256, torch.get_num_threads(), False)
-    for _ in range(4 * (1 + linear_choice.SAMPLES)):  # a trial's calls (more than enough)
+    for _ in range(4 * (1 + trials.SAMPLES)):  # a trial's calls (more than enough)
         with linears.active(), torch.inference_mode():
             torch.testing.assert_close(net(x), want, rtol=1e-5, atol=1e-5)
         if key in TABLE.fast:
@@ -114,11 +115,11 @@ def test_many_rows_take_what_their_trial_chose(monkeypatch, winner):
 def test_an_engine_whose_linears_take_it_gives_hfs_tokens(monkeypatch):
     """Every trial that offers oneDNN chooses it, few rows and many alike; greedy tokens against HF's generate
     (fp32): prefill (a 150-token prompt: many rows), decode, a chunked prompt."""
-    fastest = linear_choice.fastest
-    monkeypatch.setattr(linear_choice, "fastest", lambda seconds, baseline=linear_choice.BASELINE: (
+    fastest = trials.fastest
+    monkeypatch.setattr(trials, "fastest", lambda seconds, baseline: (
         onednn_linear.NAME if onednn_linear.NAME in seconds else fastest(seconds, baseline)))
-    monkeypatch.setattr(linear_choice, "DROP", float("inf"))  # no candidate leaves a trial early
-    monkeypatch.setattr(linear_choice, "LONG_DROP", float("inf"))
+    monkeypatch.setattr(trials, "DROP", float("inf"))  # no candidate leaves a trial early
+    monkeypatch.setattr(trials, "LONG_DROP", float("inf"))
     model = tiny_model("llama")
     llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=256, enable_prefix_caching=False)
     prompts = [[(7 * i) % 90 + 3 for i in range(150)], [5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 30], [4, 4, 9]]

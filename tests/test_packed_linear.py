@@ -4,7 +4,8 @@ whose linears take them gives HF's tokens up to bf16 rounding flips."""
 import pytest
 import torch
 
-from hf_paged.model import SmallBatchLinears, linear_choice, packed_linear
+from hf_paged import trials
+from hf_paged.model import SmallBatchLinears, packed_linear
 from hf_paged.model.linear_choice import TABLE
 
 pytestmark = pytest.mark.skipif(not packed_linear._onednn_bf16(), reason="no oneDNN bf16 in this torch build")
@@ -180,7 +181,7 @@ def test_measured_choice_is_reported(monkeypatch):
     net = make()
     linears = SmallBatchLinears(net)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    for _ in range(2 * (1 + linear_choice.SAMPLES)):  # the trials: the candidates in turn, each result right
+    for _ in range(2 * (1 + trials.SAMPLES)):  # the trials: the candidates in turn, each result right
         assert close(run(net, linears, x), net(x))
     assert not TABLE.trials
     chosen = {(tuple(c["shape"]), c["rows"]): c for c in TABLE.report()}

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_paged import trials
 import hf_paged
-from hf_paged.attention import decode_choice, prefill_kernel
+from hf_paged.attention import prefill_kernel
 from hf_paged.tiny import tiny_model
 
 pytestmark = pytest.mark.skipif(prefill_kernel.load_prefill_kernel() is None, reason="no C compiler")
@@ -16,9 +17,9 @@ pytestmark = pytest.mark.skipif(prefill_kernel.load_prefill_kernel() is None, re
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.delenv(prefill_kernel.SWITCH, raising=False)
-    prefill_kernel.clear()
+    prefill_kernel.TABLE.clear()
     yield
-    prefill_kernel.clear()
+    prefill_kernel.TABLE.clear()
 
 
 def sdpa(q, k, v, scale):
@@ -67,7 +68,7 @@ def counting(monkeypatch, costs=None):
     calls = {"kernel": 0, "torch": 0}
     now = [0.0]
     if costs is not None:
-        monkeypatch.setattr(decode_choice, "clock", lambda: now[0])
+        monkeypatch.setattr(trials, "clock", lambda: now[0])
     real = prefill_kernel.PrefillKernel.__call__
 
     def kernel(self, *args):
@@ -89,7 +90,7 @@ def counting(monkeypatch, costs=None):
 def test_the_trial_keeps_sdpa_unless_the_kernel_is_faster(monkeypatch, kernel_cost, chosen):
     calls, run = counting(monkeypatch, {"kernel": kernel_cost, "torch": 3.0})
     q, k, v = inputs(40, 8, 2, 64, torch.float32)
-    for _ in range(2 * (1 + decode_choice.SAMPLES) + 2):
+    for _ in range(2 * (1 + trials.SAMPLES) + 2):
         torch.testing.assert_close(run(q, k, v, 0.125), sdpa(q, k, v, 0.125), rtol=1e-5, atol=1e-5)
     (entry,) = prefill_kernel.prefill_choices()
     assert entry["path"] == chosen and entry["rows"] == 64 and set(entry["us"]) == {"kernel", "torch"}
@@ -97,7 +98,7 @@ def test_the_trial_keeps_sdpa_unless_the_kernel_is_faster(monkeypatch, kernel_co
     run(q, k, v, 0.125)
     assert {n: calls[n] - before[n] for n in calls} == {n: int(n == chosen) for n in calls}
     run(*inputs(100, 8, 2, 64, torch.float32), 0.125)  # another length bucket: a trial of its own
-    assert len(prefill_kernel._TRIALS) == 1
+    assert len(prefill_kernel.TABLE.trials) == 1
 
 
 def test_switched_off_or_forced(monkeypatch):
@@ -106,7 +107,7 @@ def test_switched_off_or_forced(monkeypatch):
     monkeypatch.setenv(prefill_kernel.SWITCH, "0")
     for _ in range(20):
         run(q, k, v, 0.125)
-    assert calls == {"kernel": 0, "torch": 20} and not prefill_kernel._TRIALS
+    assert calls == {"kernel": 0, "torch": 20} and not prefill_kernel.TABLE.trials
     monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
     run(q, k, v, 0.125)
     assert calls == {"kernel": 1, "torch": 20}

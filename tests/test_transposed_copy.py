@@ -5,6 +5,7 @@ linears take it gives HF's tokens. Speeds are never measured here: a fake clock 
 import pytest
 import torch
 
+from hf_paged import trials
 import hf_paged
 from hf_paged.model import SmallBatchLinears, linear_choice, packed_linear, small_linear, transposed_copy
 from hf_paged.model.linear_choice import TABLE
@@ -35,7 +36,7 @@ def costs(monkeypatch, each: dict[str, float]) -> dict[str, int]:
     """Every candidate's call advances a fake clock by its cost (the copy's product through `multiply`, the others
     wrapped); returns the calls counted per name."""
     clock, calls = FakeClock(), dict.fromkeys(each, 0)
-    monkeypatch.setattr(linear_choice, "clock", clock)
+    monkeypatch.setattr(trials, "clock", clock)
     real_candidates, real_multiply = small_linear.candidates, transposed_copy.multiply
 
     def charged(name, product):
@@ -139,11 +140,11 @@ def test_switched_off_it_is_neither_offered_nor_used(monkeypatch):
 def test_an_engine_whose_linears_take_it_gives_hfs_tokens(monkeypatch):
     """Every trial that offers the copy chooses it; greedy tokens against HF's generate (fp32): prefill, decode, a
     chunked prompt."""
-    fastest = linear_choice.fastest
-    monkeypatch.setattr(linear_choice, "fastest", lambda seconds, baseline=linear_choice.BASELINE: (
+    fastest = trials.fastest
+    monkeypatch.setattr(trials, "fastest", lambda seconds, baseline: (
         transposed_copy.NAME if transposed_copy.NAME in seconds else fastest(seconds, baseline)))
-    monkeypatch.setattr(linear_choice, "DROP", float("inf"))  # no candidate leaves a trial early (timing)
-    monkeypatch.setattr(linear_choice, "LONG_DROP", float("inf"))
+    monkeypatch.setattr(trials, "DROP", float("inf"))  # no candidate leaves a trial early (timing)
+    monkeypatch.setattr(trials, "LONG_DROP", float("inf"))
     model = tiny_model("llama")
     llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=16)
     prompts = [[5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 30, 12, 14, 15, 16, 17, 18, 19, 20, 22], [4, 4, 9]]

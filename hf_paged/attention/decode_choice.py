@@ -10,11 +10,9 @@ CPU may rank them otherwise, and torch's path (a gather of the pages, then SDPA)
 
 Invariants:
 - A choice is keyed by (dtype, query heads, kv heads, head dim, block size, torch threads). Until it is made, the
-  pure decode steps' attention calls of that key take the candidates in turn (`Trial`: each block of as many calls
-  as candidates runs each once, in rotating order), each call timed whole; the first call of each is a warm-up. After
-  one counted call each, a candidate whose better call is more than DROP times the leader's is out (torch's path,
-  ~10x slower here, costs a few calls); once those left have SAMPLES counted calls, the medians decide: torch's path
-  (`BASELINE`) unless a native path is more than MARGIN faster, then the least time, ties to the per-key path.
+  pure decode steps' attention calls of that key take the candidates in turn, each call timed whole (`trials`: the
+  rotation, a warm-up each, the early drop of a far slower one, the medians): torch's path (`BASELINE`) unless a
+  native path is more than `trials.MARGIN` faster, then the least time, ties to the per-key path.
 - Other calls (steps that mix prompts and decodes, HF's own loop on a `PagedCache`) take the choice when made, else
   the kernel's default by dtype (bf16 pages: the vector path), as before this choice existed.
 - Every candidate computes the same attention; the paths differ in the order of the floating-point sums only.
@@ -25,68 +23,18 @@ Invariants:
 """
 from __future__ import annotations
 
-import math
 import os
-import statistics
-import threading
-import time
-from dataclasses import dataclass, field
 
 import torch
 
+from .. import trials
+from ..trials import Choice
 from .cpu_kernel import load_cpu_kernel
 
 PATHS = {"auto": 0, "keys": 1, "vector": 2}  # the kernel's `path` argument ("auto": by dtype)
-BASELINE, MARGIN = "torch", 0.05
-SAMPLES, DROP = 5, 2.0
+BASELINE = "torch"
 SWITCH = "HF_PAGED_CPU_DECODE"
-clock = time.perf_counter  # module attribute: tests put a fake clock here
-
-
-@dataclass(frozen=True)
-class Choice:
-    path: str
-    seconds: dict  # candidate -> median seconds of its timed calls (a dropped one: its better call; empty if forced)
-    source: str  # "measured", "forced" or "no kernel"
-
-
-@dataclass
-class Trial:
-    names: list
-    calls: int = 0
-    warm: set = field(default_factory=set)
-    times: dict = field(default_factory=dict)
-    pruned: bool = False
-
-    def next(self) -> str:
-        n = len(self.names)
-        name = self.names[(self.calls + self.calls // n) % n]
-        self.calls += 1
-        return name
-
-    def best(self, name: str) -> float:
-        return min(self.times.get(name) or [math.inf])
-
-    def add(self, name: str, seconds: float) -> dict | None:
-        """One timed call; each candidate's seconds once the trial is complete, else None."""
-        if name not in self.names:
-            return None
-        if name not in self.warm:
-            self.warm.add(name)
-            return None
-        self.times.setdefault(name, []).append(seconds)
-        if not self.pruned and all(self.times.get(n) for n in self.names):
-            self.pruned = True
-            lead = min(self.best(n) for n in self.names)
-            self.names = [n for n in self.names if self.best(n) <= DROP * lead]
-        if any(len(self.times.get(n, [])) < SAMPLES for n in self.names):
-            return None
-        return {n: statistics.median(t) if n in self.names else min(t) for n, t in self.times.items()}
-
-
-_CHOICES: dict[tuple, Choice] = {}
-_TRIALS: dict[tuple, Trial] = {}
-_LOCK = threading.Lock()
+TABLE = trials.Table(BASELINE)
 
 
 def forced() -> str | None:
@@ -105,32 +53,17 @@ def key_of(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
 
 def pick(key: tuple, may_time: bool) -> tuple[str, bool]:
     """(path, timed) for one call of `key`: the choice where made (or forced); else, where `may_time` (a pure decode
-    step), the trial's next candidate, to be timed and `record`ed; else the kernel's default ("auto")."""
-    choice = _CHOICES.get(key)
+    step), the trial's next candidate, to be timed and `TABLE.record`ed; else the kernel's default ("auto")."""
+    choice = TABLE.choices.get(key)
+    if choice is None:
+        settled = _settled(key)
+        choice = TABLE.settle(key, settled) if settled is not None else None
     if choice is not None:
         return choice.path, False
-    with _LOCK:
-        choice = _CHOICES.get(key)
-        if choice is None:
-            choice = _settled(key)
-        if choice is not None:
-            _CHOICES[key] = choice
-            return choice.path, False
-        if not may_time:
-            return "auto", False
-        trial = _TRIALS.setdefault(key, Trial(candidates(key[3])))
-        return trial.next(), True
-
-
-def record(key: tuple, name: str, seconds: float) -> None:
-    with _LOCK:
-        trial = _TRIALS.get(key)
-        if trial is None or key in _CHOICES:
-            return
-        done = trial.add(name, seconds)
-        if done is not None:
-            _CHOICES[key] = Choice(fastest({n: done[n] for n in trial.names}), done, "measured")
-            del _TRIALS[key]
+    if not may_time:
+        return "auto", False
+    name = TABLE.next_call(key, dict.fromkeys(candidates(key[3])))
+    return (name, True) if name is not None else (TABLE.choices[key].path, False)
 
 
 def _settled(key: tuple) -> Choice | None:
@@ -151,27 +84,8 @@ def kernel_path(path: str) -> int:
     return PATHS[path]
 
 
-def fastest(seconds: dict[str, float]) -> str:
-    """The baseline unless a native path took less than (1 - MARGIN) of its time; then the least, the first among
-    equals."""
-    native = [name for name in seconds if name != BASELINE]
-    if not native:
-        return BASELINE
-    best = min(native, key=lambda name: (seconds[name], native.index(name)))
-    if BASELINE in seconds and seconds[best] >= (1 - MARGIN) * seconds[BASELINE]:
-        return BASELINE
-    return best
-
-
 def decode_choices() -> list[dict]:
     """Every choice so far: shape, path, each candidate's time in us, where it came from."""
     return [{"dtype": str(k[0]).replace("torch.", ""), "heads": k[1], "kv_heads": k[2], "head_dim": k[3],
              "block_size": k[4], "threads": k[5], "path": c.path, "source": c.source,
-             "us": {name: round(s * 1e6, 1) for name, s in c.seconds.items()}} for k, c in list(_CHOICES.items())]
-
-
-def clear() -> None:
-    """Forget every choice and trial."""
-    with _LOCK:
-        _CHOICES.clear()
-        _TRIALS.clear()
+             "us": {name: round(s * 1e6, 1) for name, s in c.seconds.items()}} for k, c in list(TABLE.choices.items())]

@@ -10,9 +10,9 @@ Invariants:
   sinks, ALiBi or chunks: the caller checks), fp32 or bf16 CPU tensors of one dtype, head dim 64 or 128, query heads
   a multiple of the key/value heads, no gradient wanted. Anything else is SDPA, as before.
 - Chosen per (dtype, heads, kv heads, head dim, prompt-length bucket (a power of two), torch threads): until chosen,
-  the calls of a key take SDPA and the kernel in turn, each call timed (`decode_choice.Trial`: a warm-up each, a
-  candidate more than twice as slow as the other after one counted call is out, then the medians of 5); SDPA stays
-  unless the kernel measured more than 5 % faster. It spreads its 16-row query blocks over torch's threads
+  the calls of a key take SDPA and the kernel in turn, each call timed (`trials`: a warm-up each, a far slower
+  candidate out after one counted call, then the medians of 5); SDPA stays unless the kernel measured more than 5 %
+  faster. It spreads its 16-row query blocks over torch's threads
   (`torch.get_num_threads()`, the same OpenMP pool).
 - The same attention as SDPA's in another order of the sums, with an exp within 3e-7 relative (measured over [-87, 0]).
 - `HF_PAGED_CPU_PREFILL=0`: never (not built); `=kernel` forces it wherever it may run (tests); `prefill_choices()`
@@ -23,21 +23,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import threading
 from pathlib import Path
 
 import torch
 
-from .. import native
-from . import decode_choice
+from .. import native, trials
 
 SOURCE = Path(__file__).with_name("cpu") / "prefill_attention.c"
 SWITCH = "HF_PAGED_CPU_PREFILL"
-BASELINE = decode_choice.BASELINE  # "torch": SDPA
+BASELINE = "torch"  # SDPA
 HEAD_DIMS = (64, 128)
-_CHOICES: dict[tuple, decode_choice.Choice] = {}
-_TRIALS: dict[tuple, decode_choice.Trial] = {}
-_LOCK = threading.Lock()
+TABLE = trials.Table(BASELINE)
 
 
 class PrefillKernel:
@@ -91,22 +87,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     length = query.shape[0]
     bucket = 1 << max(length - 1, 0).bit_length()
     choice_key = (query.dtype, query.shape[1], key.shape[1], query.shape[2], bucket, torch.get_num_threads())
-    choice = _CHOICES.get(choice_key)
-    if choice is not None:
-        return kernel(query, key, value, scale) if choice.path == "kernel" else sdpa()
-    with _LOCK:
-        trial = _TRIALS.setdefault(choice_key, decode_choice.Trial([BASELINE, "kernel"]))
-        name = trial.next()
-    started = decode_choice.clock()
-    out = kernel(query, key, value, scale) if name == "kernel" else sdpa()
-    seconds = decode_choice.clock() - started
-    with _LOCK:
-        trial = _TRIALS.get(choice_key)
-        done = trial.add(name, seconds) if trial is not None and choice_key not in _CHOICES else None
-        if done is not None:
-            _CHOICES[choice_key] = decode_choice.Choice(decode_choice.fastest({n: done[n] for n in trial.names}),
-                                                        done, "measured")
-            del _TRIALS[choice_key]
+    choice = TABLE.choices.get(choice_key)
+    name = TABLE.next_call(choice_key, dict.fromkeys((BASELINE, "kernel"))) if choice is None else None
+    path = name or TABLE.choices[choice_key].path
+    out, _ = TABLE.timed(choice_key, name, lambda: kernel(query, key, value, scale) if path == "kernel" else sdpa())
     return out
 
 
@@ -114,10 +98,4 @@ def prefill_choices() -> list[dict]:
     """Every choice so far: shape, length bucket, path, each candidate's time in us."""
     return [{"dtype": str(k[0]).replace("torch.", ""), "heads": k[1], "kv_heads": k[2], "head_dim": k[3],
              "rows": k[4], "threads": k[5], "path": c.path, "us": {n: round(s * 1e6, 1) for n, s in c.seconds.items()}}
-            for k, c in list(_CHOICES.items())]
-
-
-def clear() -> None:
-    with _LOCK:
-        _CHOICES.clear()
-        _TRIALS.clear()
+            for k, c in list(TABLE.choices.items())]

@@ -170,11 +170,7 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     path, timed = decode_choice.pick(choice, may_time=pure)
     kernel = load_cpu_kernel() if path != decode_choice.BASELINE else None
     native = functools.partial(kernel, path=decode_choice.kernel_path(path)) if kernel is not None else None
-    if not timed:
-        return run(native)
-    started = decode_choice.clock()
-    out = run(native)
-    decode_choice.record(choice, path, decode_choice.clock() - started)
+    out, _ = decode_choice.TABLE.timed(choice, path if timed else None, lambda: run(native))
     return out
 
 

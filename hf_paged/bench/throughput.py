@@ -107,7 +107,7 @@ MAX_WARMUPS = 3  # hf_paged's warm-ups at most (each of warmup_tokens() new toke
 
 def warmup_tokens() -> int:
     """hf_paged's warm-up length: a whole trial of three candidates (linear_choice) and 4 tokens more."""
-    from ..model.linear_choice import SAMPLES
+    from ..trials import SAMPLES
 
     return 3 * (1 + SAMPLES) + 4
 

@@ -1,15 +1,21 @@
-"""The native causal attention of fresh prompts (hf_paged/attention/prefill_kernel.py, cpu/prefill_attention.c): SDPA's
-results up to rounding (fp32, bf16; head dims 64 and 128; GQA groups; lengths around its 16-row blocks), only where it
-applies, chosen only by its trial, switchable, and an engine that takes it gives HF's tokens. Speeds are never
-measured here: a fake clock advances by fixed costs."""
+"""The native attention of fresh prompts (hf_paged/attention/prefill_kernel.py, cpu/prefill_attention.c): SDPA's
+results up to rounding (fp32, bf16; head dims 64, 128 and 256; GQA groups; lengths around its 16-row blocks), and
+torch's path's with sliding windows, chunks, soft-caps and sinks; only where it applies, chosen only by its trial
+(one per shape and limits), switchable, and engines that take it give HF's tokens (Llama; gemma2's windows and
+soft-caps, gpt-oss's sinks, llama4's chunks, gemma3's head dim 256). Speeds are never measured here: a fake clock
+advances by fixed costs."""
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_paged import trials
 import hf_paged
+from hf_paged import trials
 from hf_paged.attention import prefill_kernel
-from hf_paged.tiny import tiny_model
+from hf_paged.attention.extras import LayerExtras
+from hf_paged.attention.torch_backend import _attend_fresh
+from hf_paged.tiny import tiny_mixed, tiny_model
 
 pytestmark = pytest.mark.skipif(prefill_kernel.load_prefill_kernel() is None, reason="no C compiler")
 
@@ -35,7 +41,8 @@ def inputs(length, heads, kv_heads, head_dim, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("length, heads, kv_heads, head_dim", [(1, 8, 2, 64), (15, 4, 4, 64), (16, 6, 3, 64),
-                                                               (17, 8, 2, 128), (100, 8, 1, 64), (40, 2, 2, 128)])
+                                                               (17, 8, 2, 128), (100, 8, 1, 64), (40, 2, 2, 128),
+                                                               (33, 4, 1, 256)])
 def test_sdpas_attention_up_to_rounding(dtype, length, heads, kv_heads, head_dim):
     q, k, v = inputs(length, heads, kv_heads, head_dim, dtype)
     scale = head_dim ** -0.5
@@ -50,10 +57,37 @@ def test_sdpas_attention_up_to_rounding(dtype, length, heads, kv_heads, head_dim
     assert torch.equal(strided, got)
 
 
+# window, chunk, soft-cap (1000: scores far below it, where tanh(x) ~ x must stay exact to rounding), sinks
+LIMITS = list(itertools.product((None, 5, 40), (None, 16), (None, 3.0, 1000.0), (False, True)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("length", [1, 17, 100])
+def test_windows_chunks_softcaps_and_sinks_as_torchs_path(monkeypatch, dtype, head_dim, length):
+    """`_attend_fresh` with the kernel forced against the same call on torch's path (SDPA with a mask, or the
+    explicit scores), every combination of a window (shorter or longer than some prompts), chunks, soft-cap, sinks."""
+    q, k, v = inputs(length, 8, 2, head_dim, dtype)
+    for window, chunk, softcap, sinks in LIMITS:
+        extras = LayerExtras(sinks=torch.randn(8) * 2 if sinks else None, chunk_size=chunk)
+        monkeypatch.setenv(prefill_kernel.SWITCH, "0")
+        want = _attend_fresh(q, k, v, head_dim ** -0.5, window, softcap, extras)
+        monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
+        got = _attend_fresh(q, k, v, head_dim ** -0.5, window, softcap, extras)
+        tolerance = 1e-5 if dtype is torch.float32 else 2 ** -6  # bf16: both round an fp32 result
+        torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance,
+                                   msg=lambda m: f"window {window} chunk {chunk} cap {softcap} sinks {sinks}: {m}")
+
+
 def test_only_what_it_implements():
     q, k, v = inputs(20, 8, 2, 64, torch.float32)
     assert prefill_kernel.takes(q, k, v)
     assert not prefill_kernel.takes(*inputs(20, 8, 2, 32, torch.float32))  # head dim
+    assert prefill_kernel.takes(*inputs(20, 8, 2, 256, torch.float32))
+    assert prefill_kernel.takes(q, k, v, softcap=30.0, sinks=torch.zeros(8))
+    assert not prefill_kernel.takes(q, k, v, sinks=torch.zeros(4))  # one sink per query head
+    assert not prefill_kernel.takes(q, k, v, sinks=torch.tensor([0.0] * 7 + [float("inf")]))
+    assert not prefill_kernel.takes(q, k, v, softcap=-1.0) and not prefill_kernel.takes(q, k, v, softcap=float("inf"))
     assert not prefill_kernel.takes(q.half(), k.half(), v.half())
     assert not prefill_kernel.takes(q, k.bfloat16(), v)
     assert not prefill_kernel.takes(*inputs(20, 6, 4, 64, torch.float32))  # heads not a multiple of kv heads
@@ -99,6 +133,21 @@ def test_the_trial_keeps_sdpa_unless_the_kernel_is_faster(monkeypatch, kernel_co
     assert {n: calls[n] - before[n] for n in calls} == {n: int(n == chosen) for n in calls}
     run(*inputs(100, 8, 2, 64, torch.float32), 0.125)  # another length bucket: a trial of its own
     assert len(prefill_kernel.TABLE.trials) == 1
+
+
+def test_a_trial_per_limit_that_binds():
+    """A window shorter than the prompt, a soft-cap, sinks: each a trial of its own; a window as long as the prompt
+    binds nothing (the plain key)."""
+    q, k, v = inputs(40, 8, 2, 64, torch.float32)
+
+    def call(**limits):
+        prefill_kernel.attend(q, k, v, 0.125, lambda: sdpa(q, k, v, 0.125), **limits)
+        return set(prefill_kernel.TABLE.trials)
+
+    plain = call()
+    assert call(window=64) == plain and len(call(window=8)) == 2
+    assert len(call(softcap=5.0)) == 3 and len(call(sinks=torch.zeros(8))) == 4 and len(call(chunk=16)) == 5
+    assert {key[-1] for key in prefill_kernel.TABLE.trials} == {"", "w", "s", "k", "c"}
 
 
 def test_switched_off_or_forced(monkeypatch):
@@ -147,3 +196,27 @@ def test_its_threads_give_the_same_bits(dtype):
         assert torch.equal(prefill_kernel.load_prefill_kernel()(q, k, v, 0.125), one)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model_type, head_dim", [("gemma2", 64), ("gpt_oss", 64), ("llama4_text", 64),
+                                                  ("gemma3_text", 256)])
+def test_engines_of_windows_softcaps_sinks_and_chunks_give_hfs_tokens(monkeypatch, model_type, head_dim):
+    """Forced: every fresh prompt's attention in the kernel; prompts longer than the window / chunk of 8 (gemma2:
+    soft-capped scores, gpt-oss: sinks, llama4: chunks, gemma3: head dim 256), prefill in chunks and whole."""
+    calls, _ = counting(monkeypatch)
+    monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
+    extra = {"query_pre_attn_scalar": head_dim} if model_type.startswith("gemma") else {}
+    model = tiny_mixed(model_type, head_dim=head_dim, **extra)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("q_proj"):
+                module.weight.mul_(4.0)  # peaked attention: the tokens depend on it
+    llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=32)
+    prompts = [[(5 * i) % 200 + 3 for i in range(50)], [5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 30, 2, 9], [4, 4, 9]]
+    params = hf_paged.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert calls["kernel"] > 0
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()

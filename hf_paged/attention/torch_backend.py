@@ -130,21 +130,28 @@ def _attend_fresh(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     """One prompt with nothing cached: q [L, H, D], k/v [L, H_kv, D] -> [L, H, D] (`extras.relative_logits`, if any:
     this prompt's rows)."""
     length = query.shape[0]
-    q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, L, D]
-    pos = torch.arange(length, device=query.device)
     chunk = extras.chunk_size if extras is not None else None
-    limited = bool(sliding_window and sliding_window < length) or bool(chunk and chunk < length)
-    if softcap or _scored(extras):
-        mask = allowed_mask(pos, pos, sliding_window, chunk)
-        relative = None if extras is None or extras.relative_logits is None else extras.relative_logits[None]
-        out = _explicit(q, k, v, mask[None, None], scale, softcap, extras, (pos[None], pos), relative)
-    elif limited:
-        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,
-                                             attn_mask=allowed_mask(pos, pos, sliding_window, chunk))
-    else:  # plain causal: torch's SDPA or the native kernel, whichever measured faster (prefill_kernel)
-        return prefill_kernel.attend(query, key, value, scale, lambda: F.scaled_dot_product_attention(
-            q, k, v, scale=scale, is_causal=True, enable_gqa=True)[0].transpose(0, 1))
-    return out[0].transpose(0, 1)
+
+    def torch_path() -> torch.Tensor:
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))  # [1, heads, L, D]
+        pos = torch.arange(length, device=query.device)
+        limited = bool(sliding_window and sliding_window < length) or bool(chunk and chunk < length)
+        if softcap or _scored(extras):
+            mask = allowed_mask(pos, pos, sliding_window, chunk)
+            relative = None if extras is None or extras.relative_logits is None else extras.relative_logits[None]
+            out = _explicit(q, k, v, mask[None, None], scale, softcap, extras, (pos[None], pos), relative)
+        elif limited:
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True,
+                                                 attn_mask=allowed_mask(pos, pos, sliding_window, chunk))
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    if extras is not None and not extras.names() <= prefill_kernel.EXTRAS:
+        return torch_path()
+    # torch's path or the native kernel, whichever measured faster for this shape and these limits (prefill_kernel)
+    return prefill_kernel.attend(query, key, value, scale, torch_path, sliding_window, chunk, softcap,
+                                 None if extras is None else extras.sinks)
 
 
 def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

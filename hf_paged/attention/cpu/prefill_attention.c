@@ -1,15 +1,20 @@
 /* Causal attention of one fresh prompt (nothing cached) on the CPU, fp32 or bf16, for hf_paged's prefill steps
- * (hf_paged/attention/prefill_kernel.py measures it against torch's SDPA and keeps the faster, per shape).
+ * (hf_paged/attention/prefill_kernel.py measures it against torch's path and keeps the faster, per shape).
  *
  * q [L, H, D], k / v [L, G, D] (G key/value heads, H % G == 0; rows contiguous), out [L, H, D] in the inputs' dtype.
  * For each key/value head its keys are laid out transposed and its values as rows, in fp32 (bf16 widened exactly);
- * then for each query head of its group and each block of 16 query rows: the scores of the keys up to the block's
- * last row in 16 x 16 tiles, a softmax per row over its own keys (key j <= row i: causal), in fp32, and the rows'
- * outputs as sums of value rows weighted by the probabilities, four rows at a time, divided by the row's sum last;
- * bf16 outputs rounded to nearest even as torch rounds. The same arithmetic as SDPA's in another order, with an exp
- * within 3e-7 relative (the scores minus their maximum are <= 0; below -87.3 it is taken at -87.3, ~1e-38).
- * Head dims 64 and 128 only (the loops are compiled for each); `prefill_attend` returns 0 when it ran, -1 for any
- * other head dim (the caller then runs SDPA).
+ * then for each query head of its group and each block of 16 query rows: the scores of the keys the block's rows
+ * may see in 16 x 16 tiles, a softmax per row over its own keys, in fp32, and the rows' outputs as sums of value
+ * rows weighted by the probabilities, four rows at a time, divided by the row's sum last; bf16 outputs rounded to
+ * nearest even as torch rounds. Row i sees keys lo(i) <= j <= i: lo(i) = 0, raised to i - window + 1 with a sliding
+ * `window` (> 0) and to (i / chunk) * chunk with attention `chunk`s (> 0), as hf_paged's `extras.allowed`.
+ * With `softcap` > 0 each scaled score s becomes softcap * tanh(s / softcap); with `sinks` (one fp32 logit per query
+ * head, or NULL) the head's sink joins each row's softmax denominator (after soft-capping, never scaled) and adds
+ * no value, as hf_paged's `_explicit`. The same arithmetic as torch's in another order, with an exp within 3e-7
+ * relative (the scores minus their maximum are <= 0; below -87.3 it is taken at -87.3, ~1e-38) and a tanh within
+ * 1e-7 absolute (measured over [-40, 40]).
+ * Head dims 64, 128 and 256 only (the loops are compiled for each); `prefill_attend` returns 0 when it ran, -1 for any
+ * other head dim (the caller then runs torch's path).
  * The blocks of 16 query rows of a key/value head's query heads are spread over `threads` OpenMP threads (the
  * libgomp torch loaded: built with -fopenmp like the decode kernel), each with its own part of the scratch.
  * scratch: floats, 2 * D * Lp + threads * (16 * D + 16 * Lp), Lp = L rounded up to a multiple of 16. */
@@ -52,9 +57,26 @@ static inline float exp_neg(float x) {  /* e^x for x <= 0 (below -87.3: e^-87.3)
     return p * b.f;
 }
 
+static inline float tanh_f(float x) {  /* within 4e-7 absolute; vectorizable */
+    float a = x < 0.f ? -x : x, a2 = a * a;
+    float e = exp_neg(-2.f * a);
+    float far = (1.f - e) / (1.f + e);  /* a >= 1/16: no cancellation worth the name */
+    float near = a * (1.f + a2 * (-0.333333343f + a2 * (0.133333340f + a2 * -0.0539682545f)));  /* error < 1e-12 */
+    float t = a < 0.0625f ? near : far;
+    return x < 0.f ? -t : t;
+}
+
+static inline int64_t first_key(int64_t i, int64_t window, int64_t chunk) {  /* lo(i) */
+    int64_t lo = 0;
+    if (window > 0 && i - window + 1 > lo) lo = i - window + 1;
+    if (chunk > 0 && i / chunk * chunk > lo) lo = i / chunk * chunk;
+    return lo;
+}
+
 #define ATTEND(NAME, DD) \
 static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64_t L, int64_t H, int64_t G, \
-                 float scale, int dtype, float *scratch, int threads) { \
+                 float scale, int dtype, float *scratch, int threads, int64_t window, int64_t chunk, \
+                 float softcap, const float *sinks) { \
     const int64_t D = DD; \
     int64_t Lp = (L + KB - 1) / KB * KB; \
     float *kt = scratch;             /* [D][Lp] */ \
@@ -89,9 +111,10 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
                         } \
                         qb[r * D + d] = x * scale; \
                     } \
-                int64_t keys = r0 + rows;             /* causal: keys 0 .. r0 + rows - 1 */ \
-                int64_t tiles = (keys + KB - 1) / KB; \
-                for (int64_t t = 0; t < tiles; t++) { \
+                int64_t keys = r0 + rows;             /* causal: keys up to r0 + rows - 1 */ \
+                int64_t lo0 = first_key(r0, window, chunk);  /* lo(i) grows with i: the block's first key */ \
+                int64_t tiles = (keys + KB - 1) / KB, t0 = lo0 / KB, j0 = t0 * KB; \
+                for (int64_t t = t0; t < tiles; t++) { \
                     float acc[RB][KB]; \
                     memset(acc, 0, sizeof acc); \
                     for (int d = 0; d < DD; d++) { \
@@ -101,17 +124,22 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
                             for (int c = 0; c < KB; c++) acc[r][c] += x * kr[c]; \
                         } \
                     } \
+                    if (softcap > 0.f) { \
+                        for (int r = 0; r < RB; r++) \
+                            for (int c = 0; c < KB; c++) acc[r][c] = softcap * tanh_f(acc[r][c] / softcap); \
+                    } \
                     for (int r = 0; r < RB; r++) memcpy(s + r * Lp + t * KB, acc[r], sizeof acc[r]); \
                 } \
                 float inv[RB]; \
                 for (int64_t r = 0; r < RB; r++) { \
                     float *sr = s + r * Lp; \
-                    int64_t n = r0 + r + 1; \
-                    if (r >= rows) { for (int64_t j = 0; j < keys; j++) sr[j] = 0.f; inv[r] = 0.f; continue; } \
-                    float m = -INFINITY; \
-                    for (int64_t j = 0; j < n; j++) m = sr[j] > m ? sr[j] : m; \
-                    float sum = 0.f; \
-                    for (int64_t j = 0; j < n; j++) { float e = exp_neg(sr[j] - m); sr[j] = e; sum += e; } \
+                    int64_t n = r0 + r + 1, lo = first_key(r0 + r, window, chunk); \
+                    if (r >= rows) { for (int64_t j = j0; j < keys; j++) sr[j] = 0.f; inv[r] = 0.f; continue; } \
+                    float m = sinks ? sinks[h] : -INFINITY; \
+                    for (int64_t j = lo; j < n; j++) m = sr[j] > m ? sr[j] : m; \
+                    float sum = sinks ? exp_neg(sinks[h] - m) : 0.f; \
+                    for (int64_t j = lo; j < n; j++) { float e = exp_neg(sr[j] - m); sr[j] = e; sum += e; } \
+                    for (int64_t j = j0; j < lo; j++) sr[j] = 0.f; \
                     for (int64_t j = n; j < keys; j++) sr[j] = 0.f; \
                     inv[r] = 1.f / sum; \
                 } \
@@ -119,7 +147,7 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
                     float out[4][DD]; \
                     memset(out, 0, sizeof out); \
                     const float *s0 = s + r * Lp; \
-                    for (int64_t j = 0; j < keys; j++) { \
+                    for (int64_t j = j0; j < keys; j++) { \
                         const float *vr = vv + j * DD; \
                         for (int rr = 0; rr < 4; rr++) { \
                             float p = s0[rr * Lp + j]; \
@@ -140,12 +168,15 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
 }
 ATTEND(attend_64, 64)
 ATTEND(attend_128, 128)
+ATTEND(attend_256, 256)
 
 int prefill_attend(const void *q, const void *k, const void *v, void *o, int64_t L, int64_t H, int64_t G,
-                   int64_t D, float scale, int dtype, float *scratch, int threads) {
+                   int64_t D, float scale, int dtype, float *scratch, int threads, int64_t window, int64_t chunk,
+                   float softcap, const float *sinks) {
     if (L <= 0 || G <= 0 || H % G != 0 || threads < 1) return -1;
-    if (D == 64) attend_64(q, k, v, o, L, H, G, scale, dtype, scratch, threads);
-    else if (D == 128) attend_128(q, k, v, o, L, H, G, scale, dtype, scratch, threads);
+    if (D == 64) attend_64(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks);
+    else if (D == 128) attend_128(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks);
+    else if (D == 256) attend_256(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks);
     else return -1;
     return 0;
 }

@@ -79,13 +79,16 @@ def test_the_decode_attention_choice_is_printed(capsys):
          "prefill_attention": [{"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "rows": 256,
                                 "threads": 1, "path": "kernel", "us": {"torch": 900.0, "kernel": 500.0}},
                                {"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "rows": 32,
-                                "threads": 1, "path": "torch", "us": {"torch": 50.0, "kernel": 52.0}}]}
+                                "threads": 1, "path": "torch", "us": {"torch": 50.0, "kernel": 52.0}, "limits": ""},
+                               {"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "rows": 32,
+                                "threads": 1, "path": "kernel", "us": {"torch": 90.0, "kernel": 40.0}, "limits": "wk"}]}
     throughput_report.print_fused([r])
     out = capsys.readouterr().out
     assert ("decode attention in hf_paged's worker, 64 requests, float32 pages, 8/2 heads of 64, 1 threads: keys "
             "(measured: torch 8000 us, keys 600 us, vector 630 us)") in out
     assert ("prompt attention in hf_paged's worker, 64 requests, float32, 8/2 heads of 64, 1 threads: <=32 tokens "
-            "SDPA (SDPA 50 us, kernel 52 us); <=256 tokens kernel (SDPA 900 us, kernel 500 us)") in out
+            "SDPA (SDPA 50 us, kernel 52 us); <=32 tokens (wk) kernel (SDPA 90 us, kernel 40 us); <=256 tokens kernel "
+            "(SDPA 900 us, kernel 500 us)") in out
 
 
 def test_the_warm_up_has_the_timed_calls_size(restore, monkeypatch):

@@ -28,9 +28,10 @@ def print_fused(results: list[dict]) -> None:
             print(f"decode attention in hf_paged's worker, {r['requests']} requests, {c['dtype']} pages, "
                   f"{c['heads']}/{c['kv_heads']} heads of {c['head_dim']}, {c['threads']} threads: {c['path']} "
                   f"({c['source']}{': ' + times if times else ''})")
-        buckets = [f"<={c['rows']} tokens {'SDPA' if c['path'] == 'torch' else c['path']} ("
+        buckets = [f"<={c['rows']} tokens{' (' + c['limits'] + ')' if c.get('limits') else ''} "
+                   f"{'SDPA' if c['path'] == 'torch' else c['path']} ("
                    + ", ".join(f"{'SDPA' if n == 'torch' else n} {us:.0f} us" for n, us in c["us"].items()) + ")"
-                   for c in sorted(r.get("prefill_attention", []), key=lambda c: c["rows"])]
+                   for c in sorted(r.get("prefill_attention", []), key=lambda c: (c["rows"], c.get("limits", "")))]
         if buckets:
             c = r["prefill_attention"][0]
             print(f"prompt attention in hf_paged's worker, {r['requests']} requests, {c['dtype']}, {c['heads']}/"

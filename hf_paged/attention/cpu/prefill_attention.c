@@ -43,7 +43,7 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
  * of ln 2 in float: kept in this file, as each native source is built and cached alone, by its own hash. */
 static inline float exp_neg(float x) {  /* e^x for x <= 0 (below -87.3: e^-87.3), within 3e-7 relative; vectorizable */
     x = x < -87.3f ? -87.3f : x;
-    float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    float n = rintf(x * 1.44269504088896341f);  /* to nearest even (the default rounding mode): vectorizes */
     float r = x - n * 0.693145751953125f;
     r = r - n * 1.428606765330187045e-06f;
     float p = 1.9875691500e-4f;
@@ -64,6 +64,32 @@ static inline float tanh_f(float x) {  /* within 4e-7 absolute; vectorizable */
     float near = a * (1.f + a2 * (-0.333333343f + a2 * (0.133333340f + a2 * -0.0539682545f)));  /* error < 1e-12 */
     float t = a < 0.0625f ? near : far;
     return x < 0.f ? -t : t;
+}
+
+#define LANES 16 /* independent partial maxima and sums: the row loops below vectorize (no chain through one float) */
+
+static inline float row_max(const float *x, int64_t n, float start) {  /* max(start, x[0..n-1]) */
+    float mm[LANES];
+    for (int c = 0; c < LANES; c++) mm[c] = start;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int c = 0; c < LANES; c++) mm[c] = x[j + c] > mm[c] ? x[j + c] : mm[c];
+    for (; j < n; j++) mm[0] = x[j] > mm[0] ? x[j] : mm[0];
+    float m = mm[0];
+    for (int c = 1; c < LANES; c++) m = mm[c] > m ? mm[c] : m;
+    return m;
+}
+
+static inline float exp_row(float *x, int64_t n, float m) {  /* x[j] = e^(x[j] - m) for x[j] <= m; their sum */
+    float ss[LANES];
+    for (int c = 0; c < LANES; c++) ss[c] = 0.f;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int c = 0; c < LANES; c++) { float e = exp_neg(x[j + c] - m); x[j + c] = e; ss[c] += e; }
+    for (; j < n; j++) { float e = exp_neg(x[j] - m); x[j] = e; ss[0] += e; }
+    float sum = 0.f;
+    for (int c = 0; c < LANES; c++) sum += ss[c];
+    return sum;
 }
 
 static inline int64_t first_key(int64_t i, int64_t window, int64_t chunk) {  /* lo(i) */
@@ -135,10 +161,8 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
                     float *sr = s + r * Lp; \
                     int64_t n = r0 + r + 1, lo = first_key(r0 + r, window, chunk); \
                     if (r >= rows) { for (int64_t j = j0; j < keys; j++) sr[j] = 0.f; inv[r] = 0.f; continue; } \
-                    float m = sinks ? sinks[h] : -INFINITY; \
-                    for (int64_t j = lo; j < n; j++) m = sr[j] > m ? sr[j] : m; \
-                    float sum = sinks ? exp_neg(sinks[h] - m) : 0.f; \
-                    for (int64_t j = lo; j < n; j++) { float e = exp_neg(sr[j] - m); sr[j] = e; sum += e; } \
+                    float m = row_max(sr + lo, n - lo, sinks ? sinks[h] : -INFINITY); \
+                    float sum = exp_row(sr + lo, n - lo, m) + (sinks ? exp_neg(sinks[h] - m) : 0.f); \
                     for (int64_t j = j0; j < lo; j++) sr[j] = 0.f; \
                     for (int64_t j = n; j < keys; j++) sr[j] = 0.f; \
                     inv[r] = 1.f / sum; \

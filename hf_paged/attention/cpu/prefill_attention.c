@@ -29,6 +29,7 @@ static int omp_get_thread_num(void) { return 0; }
 
 #define RB 16 /* query rows per block */
 #define KB 16 /* keys per tile */
+#define DC 64 /* output columns per pass over the values */
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v; v.u = ((uint32_t)x) << 16; return v.f;
@@ -167,25 +168,26 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
                     for (int64_t j = n; j < keys; j++) sr[j] = 0.f; \
                     inv[r] = 1.f / sum; \
                 } \
-                for (int64_t r = 0; r < rows; r += 4) { \
-                    float out[4][DD]; \
-                    memset(out, 0, sizeof out); \
-                    const float *s0 = s + r * Lp; \
-                    for (int64_t j = j0; j < keys; j++) { \
-                        const float *vr = vv + j * DD; \
-                        for (int rr = 0; rr < 4; rr++) { \
-                            float p = s0[rr * Lp + j]; \
-                            for (int d = 0; d < DD; d++) out[rr][d] += p * vr[d]; \
+                for (int64_t r = 0; r < rows; r += 4) \
+                    for (int d0 = 0; d0 < DD; d0 += DC) {  /* DC columns at a time: out stays in registers */ \
+                        float out[4][DC]; \
+                        memset(out, 0, sizeof out); \
+                        const float *s0 = s + r * Lp; \
+                        for (int64_t j = j0; j < keys; j++) { \
+                            const float *vr = vv + j * DD + d0; \
+                            for (int rr = 0; rr < 4; rr++) { \
+                                float p = s0[rr * Lp + j]; \
+                                for (int d = 0; d < DC; d++) out[rr][d] += p * vr[d]; \
+                            } \
+                        } \
+                        for (int rr = 0; rr < 4 && r + rr < rows; rr++) { \
+                            int64_t at = ((r0 + r + rr) * H + h) * DD + d0; \
+                            float iv = inv[r + rr]; \
+                            if (dtype) \
+                                for (int d = 0; d < DC; d++) ((uint16_t *)o_)[at + d] = f32_to_bf16(out[rr][d] * iv); \
+                            else for (int d = 0; d < DC; d++) ((float *)o_)[at + d] = out[rr][d] * iv; \
                         } \
                     } \
-                    for (int rr = 0; rr < 4 && r + rr < rows; rr++) { \
-                        int64_t at = ((r0 + r + rr) * H + h) * DD; \
-                        float iv = inv[r + rr]; \
-                        if (dtype) \
-                            for (int d = 0; d < DD; d++) ((uint16_t *)o_)[at + d] = f32_to_bf16(out[rr][d] * iv); \
-                        else for (int d = 0; d < DD; d++) ((float *)o_)[at + d] = out[rr][d] * iv; \
-                    } \
-                } \
             } \
         } \
     } \

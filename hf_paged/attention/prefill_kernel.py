@@ -1,11 +1,13 @@
 """A native CPU attention for fresh prompts (`cpu/prefill_attention.c`), measured against torch's path.
 
 A prefill step attends each fresh prompt over its own keys; torch's CPU flash kernel does its small products through
-MKL, which on an AMD EPYC (Zen 5) runs its AVX2 code: there one layer's 38 prompts of 16-200 tokens (8 / 2 heads of
-64) took 17-19 ms in SDPA against 10-11 ms in this kernel, fp32 and bf16 alike (head dim 128: 30-32 against 16-17).
-Prompts with a sliding window shorter than themselves, attention chunks, tanh soft-capping or attention sinks take
-SDPA with a mask or hf_paged's explicit-score attention (`torch_backend._explicit`), slower still. Another CPU may
-rank them otherwise, so nothing is assumed:
+MKL, which on an AMD EPYC (Zen 5) runs its AVX2 code: there one layer's 64 prompts of 16-200 tokens (8 / 2 heads of
+64, one thread) took 27 ms in SDPA against 12 ms in this kernel in fp32, 30 against 11 in bf16 (head dim 128: 48 /
+53 against 21-22). Prompts with a sliding window shorter than themselves, attention chunks, tanh soft-capping or
+attention sinks take SDPA with a mask or hf_paged's explicit-score attention (`torch_backend._explicit`), slower
+still: there, 400-token prompts, gemma2-like soft-capping (8 / 4 heads of 256) 17-18 ms against 5.2-5.4, gpt-oss-like
+sinks with a 128-token window (64 / 8 heads of 64) 120 ms against 7. Another CPU may rank them otherwise, so
+nothing is assumed:
 
 Invariants:
 - Only for what the kernel implements: causal attention of a prompt with nothing cached, optionally within a sliding

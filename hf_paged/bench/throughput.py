@@ -13,7 +13,11 @@ such runs; the full runs give each system a fresh process), about 10 s and 0.9 G
 `--arch qwen3_5_text`: a random Qwen3.5-shaped hybrid instead (hidden 512, 8 layers 3 Gated DeltaNet : 1 full
 attention, 8 heads / 2 KV heads of 64, linear attention 4 key / 8 value heads of 64, intermediate 1024, vocab 32000;
 `--small`: hidden 128, 4 layers), same prompts. HF's `generate_batch` does not run linear-attention layers, so the
-default systems there are hf_paged and hf_padded.
+default systems there are hf_paged and hf_padded. `--arch gemma3_text | gemma2 | gpt_oss`: a stack mixing
+sliding-window and full-attention layers in that family's pattern (gemma 3: 5 sliding : 1 full, window 512, head dim
+256; gemma 2: alternating, window 4096, soft-capped scores and logits, head dim 256; gpt-oss: alternating, window
+128, attention sinks, 8 experts, 2 per token), sizes near the Llama's (bench/throughput_models.py); default systems
+hf_paged and hf_padded.
 
 Workload: random-weight Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1376, vocab 32000,
 fp32, sdpa), prompts of 16-200 random tokens (seed 0), `--max-tokens` new tokens each, greedy, EOS ignored.
@@ -50,50 +54,13 @@ import time
 
 from .common import (add_common_args, emit_result, machine_info, machine_load, matmul_rates,
                      peak_rss_mb, plot_path, run_worker, set_threads, write_json)
+from .throughput_models import ARCHS, SEED, build_model, workload
 from .throughput_plot import plot
 from .throughput_report import _linear_paths, print_report, summarise
 
 SYSTEMS = ("hf_paged", "hf_padded", "hf_generate_batch")
 EXTRA = ("hf_generate_batch_sized",)  # opt-in: generate_batch with num_blocks sized to the workload
-FULL = dict(model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024,
-                       intermediate_size=1376), prompt_len=(16, 200), requests=[16, 64], max_tokens=64)
-SMALL = dict(model=dict(vocab_size=1000, hidden=128, layers=2, heads=4, kv_heads=2, max_len=1024,
-                        intermediate_size=344), prompt_len=(16, 200), requests=[4, 8], max_tokens=8)
-_THREE_TO_ONE = ["linear_attention"] * 3 + ["full_attention"]
-# hybrids (hf_paged.tiny.HYBRIDS): the same workload, a model of the family's shape; keys besides the generic ones
-# (vocab_size, hidden, layers, heads, kv_heads, max_len) are the family's config fields
-HYBRID_SETUPS = {
-    "qwen3_5_text": (
-        dict(FULL, model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024, head_dim=64,
-                              intermediate_size=1024, layer_types=_THREE_TO_ONE * 2, linear_num_key_heads=4,
-                              linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64)),
-        dict(SMALL, model=dict(vocab_size=1000, hidden=128, layers=4, heads=4, kv_heads=2, max_len=1024, head_dim=32,
-                               intermediate_size=256, layer_types=_THREE_TO_ONE, linear_num_key_heads=2,
-                               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32))),
-}
-ARCHS = ("llama", *HYBRID_SETUPS)
-SEED = 0
 MODULE = "hf_paged.bench.throughput"
-
-
-def workload(arch: str, small: bool) -> dict:
-    """The model sizes, prompt lengths and default counts of one run."""
-    if arch == "llama":
-        return SMALL if small else FULL
-    return HYBRID_SETUPS[arch][1 if small else 0]
-
-
-def build_model(arch: str, sizes: dict):
-    """The benchmark's random model (seed SEED, output head not sharpened) of `arch` with `sizes` (a setup's model)."""
-    from hf_paged.tiny import tiny_hybrid, tiny_model
-
-    if arch == "llama":
-        return tiny_model("llama", seed=SEED, sharpen=1.0, **sizes)
-    rest = dict(sizes)
-    generic = {name: rest.pop(key) for key, name in (("vocab_size", "vocab_size"), ("hidden", "hidden"),
-               ("layers", "layers"), ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"),
-               ("max_len", "max_position_embeddings"))}
-    return tiny_hybrid(arch, seed=SEED, sharpen=1.0, **generic, **rest)
 
 
 def make_prompts(count: int, vocab: int, low: int, high: int, seed: int = SEED) -> list[list[int]]:
@@ -321,7 +288,8 @@ def parse_args(argv: list[str] | None):
                         help="default: all three (hf_paged and hf_padded for a hybrid --arch; with --small, "
                              "generate_batch sized to the workload)")
     parser.add_argument("--arch", choices=ARCHS, default="llama",
-                        help="the random model: Llama, or a hybrid of that family's shape (default: %(default)s)")
+                        help="the random model: Llama, or a hybrid or sliding / full stack of that family's shape "
+                             "(default: %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the model's dtype for every system (bfloat16: greedy tokens may part from HF's on "
                              "rounding flips; 'same tokens' counts the rows that do not; the matmul limit is measured "

@@ -7,22 +7,11 @@ from types import SimpleNamespace
 import pytest
 
 import hf_paged
-from hf_paged.bench import throughput, throughput_models, throughput_report
+from hf_paged.bench import throughput, throughput_report
 from hf_paged.trials import SAMPLES
 
 TINY = dict(model=dict(vocab_size=300, hidden=32, layers=1, heads=2, kv_heads=1, max_len=512, intermediate_size=64),
             prompt_len=(4, 12), requests=[3], max_tokens=4)
-
-
-def test_workload():
-    assert throughput.workload("llama", True) is throughput_models.SMALL
-    assert throughput.workload("llama", False) is throughput_models.FULL
-    full, small = throughput_models.HYBRID_SETUPS["qwen3_5_text"]
-    assert throughput.workload("qwen3_5_text", False) is full and throughput.workload("qwen3_5_text", True) is small
-    assert small["model"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
-    for arch, (full, small) in throughput_models.MIXED_SETUPS.items():
-        assert throughput.workload(arch, False) is full and throughput.workload(arch, True) is small
-        assert full["model"]["layers"] == len(full["model"]["layer_types"]) and full["prompt_len"] == (16, 200)
 
 
 def test_prompts():
@@ -73,20 +62,6 @@ def test_measure_on_a_tiny_model(restore):
     assert isinstance(paged["fused"]["norms_status"], str) and 0 <= paged["fused"]["norms"] <= 3  # 1 layer x 2 + 1
     assert isinstance(paged["decode_attention"], list) and "decode_attention" not in padded
     assert isinstance(paged["prefill_attention"], list) and "prefill_attention" not in padded
-
-
-@pytest.mark.parametrize("arch", list(throughput_models.MIXED_SETUPS))
-def test_mixed_stacks_are_built_as_their_family_and_give_hfs_tokens(restore, arch):
-    """--arch gemma3_text / gemma2 / gpt_oss at --small sizes (two requests, prompts up to 40 tokens: a window of
-    128 binds in none, 3 new tokens): the family's model with the setup's window and layer pattern."""
-    setup = dict(throughput.workload(arch, True), prompt_len=(8, 40))
-    model = throughput.build_model(arch, setup["model"])
-    assert model.config.model_type == arch and model.config.layer_types == setup["model"]["layer_types"]
-    assert model.config.sliding_window == setup["model"]["window"]
-    args = SimpleNamespace(arch=arch, dtype="float32", max_tokens=3)
-    paged = throughput.measure("hf_paged", 2, args, setup, 1)
-    padded = throughput.measure("hf_padded", 2, args, setup, 1)
-    assert paged["tokens"] == padded["tokens"] and [len(t) for t in paged["tokens"]] == [3, 3]
 
 
 def test_the_decode_attention_choice_is_printed(capsys):

@@ -14,7 +14,8 @@ import hf_paged
 from hf_paged import trials
 from hf_paged.attention import prefill_kernel
 from hf_paged.attention.extras import LayerExtras
-from hf_paged.attention.torch_backend import _attend_fresh
+from hf_paged.attention.metadata import AttentionMetadata
+from hf_paged.attention.torch_backend import _attend_fresh, torch_paged_attention
 from hf_paged.tiny import tiny_mixed, tiny_model
 
 pytestmark = pytest.mark.skipif(prefill_kernel.load_prefill_kernel() is None, reason="no C compiler")
@@ -79,6 +80,50 @@ def test_windows_chunks_softcaps_and_sinks_as_torchs_path(monkeypatch, dtype, he
                                    msg=lambda m: f"window {window} chunk {chunk} cap {softcap} sinks {sinks}: {m}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("keys, new", [(40, 8), (100, 33), (16, 16), (200, 1)])
+def test_queries_after_cached_keys_are_the_whole_prompts_last_rows(monkeypatch, dtype, keys, new):
+    """Causal attention of a row reads only its own query and the keys up to it: `new` queries after `keys - new`
+    cached keys give the last rows of the whole prompt's attention, with every window, chunk, soft-cap and sinks."""
+    q, k, v = inputs(keys, 8, 2, 64, dtype, seed=keys)
+    monkeypatch.setenv(prefill_kernel.SWITCH, "0")
+    for window, chunk, softcap, sinks in LIMITS:
+        sinks = torch.randn(8) if sinks else None
+        want = _attend_fresh(q, k, v, 0.125, window, softcap, LayerExtras(sinks=sinks, chunk_size=chunk))[-new:]
+        got = prefill_kernel.load_prefill_kernel()(q[-new:], k, v, 0.125, window, chunk, softcap, sinks)
+        tolerance = 1e-5 if dtype is torch.float32 else 2 ** -6
+        torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance,
+                                   msg=lambda m: f"window {window} chunk {chunk} cap {softcap} sinks {sinks}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_after_cached_keys_read_from_the_pages(monkeypatch, dtype):
+    """A step's tile of prompts with cached keys (pages of 4 in a shuffled pool): the kernel once per sequence gives
+    torch's padded tile's rows, in its order, with a window, soft-cap and sinks or none."""
+    torch.manual_seed(0)
+    seqs = [(30, 7), (9, 5), (50, 20), (12, 2)]  # (keys in all, new tokens)
+    blocks = sum(-(-keys // 4) for keys, _ in seqs)
+    order = torch.randperm(blocks + 3).tolist()
+    tables, at = [], 0
+    for keys, _ in seqs:
+        tables.append(order[at:at + -(-keys // 4)])
+        at += len(tables[-1])
+    key_cache, value_cache = (torch.randn(blocks + 3, 4, 2, 64, dtype=dtype) for _ in range(2))
+    query = torch.randn(sum(new for _, new in seqs), 8, 64, dtype=dtype) * 2
+    meta = AttentionMetadata.build([new for _, new in seqs], [keys for keys, _ in seqs], tables, [0] * len(query), 4,
+                                   torch.device("cpu"))
+    calls, _ = counting(monkeypatch)
+    for window, softcap, sinks in [(None, None, None), (6, 3.0, torch.randn(8))]:
+        outs = {}
+        for switch in ("0", "kernel"):
+            monkeypatch.setenv(prefill_kernel.SWITCH, switch)
+            outs[switch] = torch_paged_attention(query, key_cache, value_cache, meta, 0.125, window, softcap,
+                                                 extras=LayerExtras(sinks=sinks))
+        tolerance = 1e-5 if dtype is torch.float32 else 2 ** -6
+        torch.testing.assert_close(outs["kernel"].float(), outs["0"].float(), rtol=tolerance, atol=tolerance)
+    assert calls["kernel"] == 2 * len(seqs)
+
+
 def test_only_what_it_implements():
     q, k, v = inputs(20, 8, 2, 64, torch.float32)
     assert prefill_kernel.takes(q, k, v)
@@ -88,6 +133,7 @@ def test_only_what_it_implements():
     assert not prefill_kernel.takes(q, k, v, sinks=torch.zeros(4))  # one sink per query head
     assert not prefill_kernel.takes(q, k, v, sinks=torch.tensor([0.0] * 7 + [float("inf")]))
     assert not prefill_kernel.takes(q, k, v, softcap=-1.0) and not prefill_kernel.takes(q, k, v, softcap=float("inf"))
+    assert prefill_kernel.takes(q[5:], k, v) and not prefill_kernel.takes(q, k[5:], v[5:])  # keys before the queries
     assert not prefill_kernel.takes(q.half(), k.half(), v.half())
     assert not prefill_kernel.takes(q, k.bfloat16(), v)
     assert not prefill_kernel.takes(*inputs(20, 6, 4, 64, torch.float32))  # heads not a multiple of kv heads
@@ -147,7 +193,8 @@ def test_a_trial_per_limit_that_binds():
     plain = call()
     assert call(window=64) == plain and len(call(window=8)) == 2
     assert len(call(softcap=5.0)) == 3 and len(call(sinks=torch.zeros(8))) == 4 and len(call(chunk=16)) == 5
-    assert {key[-1] for key in prefill_kernel.TABLE.trials} == {"", "w", "s", "k", "c"}
+    prefill_kernel.attend(q[30:], k, v, 0.125, lambda: sdpa(q, k, v, 0.125)[30:])  # after 30 cached keys
+    assert {key[-1] for key in prefill_kernel.TABLE.trials} == {"", "w", "s", "k", "c", "x"}
 
 
 def test_switched_off_or_forced(monkeypatch):
@@ -220,3 +267,35 @@ def test_engines_of_windows_softcaps_sinks_and_chunks_give_hfs_tokens(monkeypatc
         with torch.inference_mode():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt_oss"])
+def test_prefix_hits_and_later_chunks_give_hfs_tokens(monkeypatch, model_type):
+    """Forced: prompts after cached keys too (a prompt in chunks of 16, then the same prompts again: prefix hits)."""
+    offsets = []
+    real = prefill_kernel.PrefillKernel.__call__
+
+    def kernel(self, query, key, *args):
+        offsets.append(key.shape[0] - query.shape[0])
+        return real(self, query, key, *args)
+    monkeypatch.setattr(prefill_kernel.PrefillKernel, "__call__", kernel)
+    monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
+    if model_type == "llama":
+        model = tiny_model("llama", head_dim=64)
+    else:
+        extra = {"query_pre_attn_scalar": 64} if model_type == "gemma2" else {}
+        model = tiny_mixed(model_type, head_dim=64, **extra)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("q_proj"):
+                module.weight.mul_(4.0)
+    llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=16)
+    prompts = [[(5 * i) % 200 + 3 for i in range(45)], [(7 * i) % 200 + 3 for i in range(21)]]
+    params = hf_paged.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # the second time: prefix hits
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            with torch.inference_mode():
+                want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+            assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+    assert any(offset > 0 for offset in offsets) and 0 in offsets

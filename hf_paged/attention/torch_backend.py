@@ -66,24 +66,37 @@ def _attend_tile(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if native is not None and plan.max_query_len == 1:
         return native(query[plan.rows], key_cache, value_cache, plan.block_tables, plan.context_lens.view(-1),
                       scale, sliding_window, softcap, extras)
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads = key_cache.shape[2]
-    seqs, max_q = plan.query_index.shape
-    q = query[plan.query_index].transpose(1, 2)  # [G, H, Q, D]
-    k = key_cache.index_select(0, plan.flat_tables).view(seqs, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    v = value_cache.index_select(0, plan.flat_tables).view(seqs, plan.kv_len, num_kv_heads, head_dim).transpose(1, 2)
-    k, v = dequantize(k, q.dtype, kv_scales[0]), dequantize(v, q.dtype, kv_scales[1])
     chunk = extras.chunk_size if extras is not None else None
-    allowed = plan.mask(sliding_window, chunk)  # [G, 1, Q, L]
-    if softcap or _scored(extras):
-        positions = (plan.positions(), torch.arange(plan.kv_len, device=q.device))
-        rows = None if extras is None else extras.relative_logits
-        relative = None if rows is None else rows[plan.query_index]  # [G, Q, H, E]
-        out = _explicit(q, k, v, allowed, scale, softcap, extras, positions, relative)
-    else:
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
-                                             enable_gqa=True)
-    return out.transpose(1, 2).reshape(seqs * max_q, num_heads, head_dim)[plan.valid]
+
+    def torch_path() -> torch.Tensor:
+        num_heads, head_dim = query.shape[1:]
+        num_kv_heads = key_cache.shape[2]
+        seqs, max_q = plan.query_index.shape
+        q = query[plan.query_index].transpose(1, 2)  # [G, H, Q, D]
+        k, v = (cache.index_select(0, plan.flat_tables).view(seqs, plan.kv_len, num_kv_heads, head_dim)
+                .transpose(1, 2) for cache in (key_cache, value_cache))
+        k, v = dequantize(k, q.dtype, kv_scales[0]), dequantize(v, q.dtype, kv_scales[1])
+        allowed = plan.mask(sliding_window, chunk)  # [G, 1, Q, L]
+        if softcap or _scored(extras):
+            positions = (plan.positions(), torch.arange(plan.kv_len, device=q.device))
+            rows = None if extras is None else extras.relative_logits
+            relative = None if rows is None else rows[plan.query_index]  # [G, Q, H, E]
+            out = _explicit(q, k, v, allowed, scale, softcap, extras, positions, relative)
+        else:
+            out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
+                                                 enable_gqa=True)
+        return out.transpose(1, 2).reshape(seqs * max_q, num_heads, head_dim)[plan.valid]
+
+    if plan.max_query_len == 1 or not query.is_cpu or (extras is not None and
+                                                       not extras.names() <= prefill_kernel.EXTRAS):
+        return torch_path()  # decodes: decode_choice's (torch's path here)
+    # prompts after cached keys: torch's padded tile or the native kernel per sequence, whichever measured faster
+    query_lens, keys = plan.query_lens.view(-1).tolist(), plan.context_lens.view(-1).tolist()
+    per_block = key_cache.shape[1]
+    sequences = [(plan.query_index[g, :query_lens[g]], plan.block_tables[g, :-(-keys[g] // per_block)], keys[g])
+                 for g in range(len(keys))]
+    return prefill_kernel.attend_paged(query, key_cache, value_cache, sequences, scale, torch_path, sliding_window,
+                                       chunk, softcap, None if extras is None else extras.sinks)
 
 
 def _scored(extras: LayerExtras | None) -> bool:

@@ -1,13 +1,15 @@
-/* Causal attention of one fresh prompt (nothing cached) on the CPU, fp32 or bf16, for hf_paged's prefill steps
+/* Causal attention of one prompt's new tokens on the CPU, fp32 or bf16, for hf_paged's prefill steps
  * (hf_paged/attention/prefill_kernel.py measures it against torch's path and keeps the faster, per shape).
  *
- * q [L, H, D], k / v [L, G, D] (G key/value heads, H % G == 0; rows contiguous), out [L, H, D] in the inputs' dtype.
+ * q [L, H, D] at positions off .. off + L - 1, k / v [off + L, G, D] (the `off` keys before them: a prefix hit or
+ * earlier chunks, then their own; G key/value heads, H % G == 0; rows contiguous), out [L, H, D] in the inputs'
+ * dtype; a fresh prompt has off = 0.
  * For each key/value head its keys are laid out transposed and its values as rows, in fp32 (bf16 widened exactly);
  * then for each query head of its group and each block of 16 query rows: the scores of the keys the block's rows
  * may see in 16 x 16 tiles, a softmax per row over its own keys, in fp32, and the rows' outputs as sums of value
  * rows weighted by the probabilities, four rows at a time, divided by the row's sum last; bf16 outputs rounded to
- * nearest even as torch rounds. Row i sees keys lo(i) <= j <= i: lo(i) = 0, raised to i - window + 1 with a sliding
- * `window` (> 0) and to (i / chunk) * chunk with attention `chunk`s (> 0), as hf_paged's `extras.allowed`.
+ * nearest even as torch rounds. Position i sees keys lo(i) <= j <= i: lo(i) = 0, raised to i - window + 1 with a
+ * sliding `window` (> 0) and to (i / chunk) * chunk with attention `chunk`s (> 0), as hf_paged's `extras.allowed`.
  * With `softcap` > 0 each scaled score s becomes softcap * tanh(s / softcap); with `sinks` (one fp32 logit per query
  * head, or NULL) the head's sink joins each row's softmax denominator (after soft-capping, never scaled) and adds
  * no value, as hf_paged's `_explicit`. The same arithmetic as torch's in another order, with an exp within 3e-7
@@ -17,7 +19,7 @@
  * other head dim (the caller then runs torch's path).
  * The blocks of 16 query rows of a key/value head's query heads are spread over `threads` OpenMP threads (the
  * libgomp torch loaded: built with -fopenmp like the decode kernel), each with its own part of the scratch.
- * scratch: floats, 2 * D * Lp + threads * (16 * D + 16 * Lp), Lp = L rounded up to a multiple of 16. */
+ * scratch: floats, 2 * D * Lp + threads * (16 * D + 16 * Lp), Lp = off + L rounded up to a multiple of 16. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -103,9 +105,9 @@ static inline int64_t first_key(int64_t i, int64_t window, int64_t chunk) {  /* 
 #define ATTEND(NAME, DD) \
 static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64_t L, int64_t H, int64_t G, \
                  float scale, int dtype, float *scratch, int threads, int64_t window, int64_t chunk, \
-                 float softcap, const float *sinks) { \
-    const int64_t D = DD; \
-    int64_t Lp = (L + KB - 1) / KB * KB; \
+                 float softcap, const float *sinks, int64_t off) { \
+    const int64_t D = DD, Lk = off + L; /* keys: the `off` cached ones, then the queries' own */ \
+    int64_t Lp = (Lk + KB - 1) / KB * KB; \
     float *kt = scratch;             /* [D][Lp] */ \
     float *vv = kt + D * Lp;         /* [Lp][D] */ \
     int64_t per = H / G, blocks = (L + RB - 1) / RB; \
@@ -113,7 +115,7 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
         for (int64_t j = 0; j < Lp; j++) { \
             for (int64_t d = 0; d < D; d++) { \
                 float kx = 0.f, vx = 0.f; \
-                if (j < L) { \
+                if (j < Lk) { \
                     int64_t at = (j * G + g) * D + d; \
                     kx = dtype ? bf16_to_f32(((const uint16_t *)k_)[at]) : ((const float *)k_)[at]; \
                     vx = dtype ? bf16_to_f32(((const uint16_t *)v_)[at]) : ((const float *)v_)[at]; \
@@ -138,8 +140,8 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
                         } \
                         qb[r * D + d] = x * scale; \
                     } \
-                int64_t keys = r0 + rows;             /* causal: keys up to r0 + rows - 1 */ \
-                int64_t lo0 = first_key(r0, window, chunk);  /* lo(i) grows with i: the block's first key */ \
+                int64_t keys = off + r0 + rows;       /* causal: keys up to position off + r0 + rows - 1 */ \
+                int64_t lo0 = first_key(off + r0, window, chunk);  /* lo(i) grows with i: the block's first */ \
                 int64_t tiles = (keys + KB - 1) / KB, t0 = lo0 / KB, j0 = t0 * KB; \
                 for (int64_t t = t0; t < tiles; t++) { \
                     float acc[RB][KB]; \
@@ -160,7 +162,7 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
                 float inv[RB]; \
                 for (int64_t r = 0; r < RB; r++) { \
                     float *sr = s + r * Lp; \
-                    int64_t n = r0 + r + 1, lo = first_key(r0 + r, window, chunk); \
+                    int64_t n = off + r0 + r + 1, lo = first_key(off + r0 + r, window, chunk); \
                     if (r >= rows) { for (int64_t j = j0; j < keys; j++) sr[j] = 0.f; inv[r] = 0.f; continue; } \
                     float m = row_max(sr + lo, n - lo, sinks ? sinks[h] : -INFINITY); \
                     float sum = exp_row(sr + lo, n - lo, m) + (sinks ? exp_neg(sinks[h] - m) : 0.f); \
@@ -198,11 +200,13 @@ ATTEND(attend_256, 256)
 
 int prefill_attend(const void *q, const void *k, const void *v, void *o, int64_t L, int64_t H, int64_t G,
                    int64_t D, float scale, int dtype, float *scratch, int threads, int64_t window, int64_t chunk,
-                   float softcap, const float *sinks) {
-    if (L <= 0 || G <= 0 || H % G != 0 || threads < 1) return -1;
-    if (D == 64) attend_64(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks);
-    else if (D == 128) attend_128(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks);
-    else if (D == 256) attend_256(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks);
+                   float softcap, const float *sinks, int64_t off) {
+    if (L <= 0 || off < 0 || G <= 0 || H % G != 0 || threads < 1) return -1;
+    if (D == 64) attend_64(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks, off);
+    else if (D == 128)
+        attend_128(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks, off);
+    else if (D == 256)
+        attend_256(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks, off);
     else return -1;
     return 0;
 }

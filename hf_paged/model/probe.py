@@ -33,9 +33,11 @@ import inspect
 import torch
 
 from ..attention import AttentionBackends, AttentionMetadata
+from ..config import logger
 from ..kv import KVCache
 from ..kv.slots import slots_of
 from ..kv.state import StateSlots
+from . import fp32_attention
 from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_attention_active
 from .spec import ModelSpec
@@ -50,6 +52,7 @@ LENGTHS = tuple(cuts[-1] for cuts in STEPS)
 BLOCK_SIZE = 4
 PADDING = 5  # left padding of `counts_padding`'s prompt
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # relative to the largest logit; half precision: 3e-2
+HALF = (torch.bfloat16, torch.float16)  # a second reference where the first disagrees: `_float32_reference`
 
 
 def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences: list[list[int]]) -> tuple:
@@ -204,6 +207,18 @@ def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(diff.max()) / max(scale, 1e-6)
 
 
+def _float32_reference(model, spec: ModelSpec, sequences: list[list[int]], paged: list) -> float:
+    """The worst difference of the paged logits from the model's own forward with its attention summed in float32
+    (`fp32_attention`), or inf where that reference cannot run."""
+    try:
+        with forward_lock(model), _reference_attention(spec.configs), fp32_attention.float32_attention(spec.configs):
+            own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
+                   for step in range(len(STEPS[0]))]
+    except Exception:  # noqa: BLE001 - no such reference (NoReference, a model it does not fit): the first verdict
+        return float("inf")
+    return _worst(paged, own)
+
+
 def _own_positions(model) -> str:
     """A hint for the refusal: position-embedding modules that compute positions themselves (no `position_ids`
     argument, e.g. from the token ids or a cache length), which the engine's packed steps cannot set right."""
@@ -266,6 +281,14 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
     tolerance = TOLERANCE.get(dtype, 3e-2)
     worst = _worst(paged, own)
     verdicts[key] = None
+    if not worst <= tolerance and dtype in HALF:  # rounding its next layers amplify? (fp32_attention)
+        summed = _float32_reference(model, spec, sequences, paged)
+        if summed <= tolerance:
+            logger.warning("hf_paged: model type %r (%s): the paged logits part from its own forward's by %.2e of the "
+                           "largest logit, and agree with its own forward summing its attention in float32 (%.2e), as "
+                           "hf_paged's attention sums: rounding its later layers amplify (a router's near tie); "
+                           "served", model_type, dtype, worst, summed)
+            worst = summed
     if not worst <= tolerance:  # also catches NaN
         hint = _own_positions(model)
         if spec.has_state and _takes_cache(model):

@@ -1,0 +1,92 @@
+"""The start-up check's float32 reference (hf_paged/model/fp32_attention.py, probe.py): the model's own attention
+function on float32 inputs; registered only while hf_paged is enabled; a bf16 model whose router amplifies the
+attention's rounding (a random gpt-oss-shaped stack) is served, on the check's word, and a bf16 model with positions
+wrong after cached context is still refused."""
+import pytest
+import torch
+
+import hf_paged
+import hf_paged.model.paged_forward as paged_forward
+from hf_paged import LLM
+from hf_paged.bench import throughput
+from hf_paged.model import fp32_attention, probe
+from hf_paged.tiny import tiny_model
+
+
+def test_the_wrapper_runs_the_models_own_attention_on_float32_inputs():
+    import transformers.models.llama.modeling_llama as llama
+
+    model = tiny_model("llama", dtype=torch.bfloat16, attn_implementation="eager")
+    module = model.model.layers[0].self_attn
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 7, 16).bfloat16() for heads in (4, 2, 2))
+    mask = torch.full((7, 7), float("-inf")).triu(1)[None, None].bfloat16()
+    out, _ = fp32_attention.eager_float32(module, q, k, v, mask, scaling=0.25)
+    want, _ = llama.eager_attention_forward(module, q.float(), k.float(), v.float(), mask.float(), scaling=0.25)
+    assert out.dtype is torch.bfloat16 and torch.equal(out, want.bfloat16())
+    bf16, _ = llama.eager_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert not torch.equal(out, bf16)  # the model's own bf16 sums round otherwise
+
+
+def test_registered_only_while_enabled():
+    from transformers import AttentionInterface
+
+    names = set(fp32_attention.NAMES.values())
+    assert names <= set(AttentionInterface._global_mapping)
+    hf_paged.disable()
+    try:
+        assert not names & set(AttentionInterface._global_mapping)
+    finally:
+        hf_paged.enable()
+    assert names <= set(AttentionInterface._global_mapping)
+
+
+def test_no_reference_for_an_attention_it_does_not_wrap():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(fp32_attention.NoReference), fp32_attention.float32_attention([model.config]):
+        pass
+
+
+def gpt_oss_bf16():
+    """The throughput benchmark's gpt-oss-shaped stack in bf16: its own bf16 forward and its float32-attention one
+    part by a router flip on the check's random prompts (measured: 0.25 of the largest logit at one step)."""
+    setup = throughput.workload("gpt_oss", False)
+    return throughput.build_model("gpt_oss", setup["model"]).to(torch.bfloat16)
+
+
+def test_a_bf16_model_whose_router_amplifies_rounding_is_served(monkeypatch, caplog):
+    model = gpt_oss_bf16()
+    LLM(model, block_size=16)  # served
+    assert "agree with its own forward summing its attention in float32" in caplog.text
+    model.__dict__.pop("_hf_paged_probe", None)
+    monkeypatch.setattr(probe, "_float32_reference", lambda *args: float("inf"))  # without the second reference
+    with pytest.raises(ValueError, match="'gpt_oss'.*does not reproduce"):
+        LLM(model, block_size=16)
+
+
+def test_a_bf16_model_with_positions_wrong_after_cached_context_is_still_refused(monkeypatch, one_torch_thread):
+    right = paged_forward.sequence_positions
+
+    def chunk_blind(metadata):
+        cu = metadata.cu_seqlens_q.long()
+        query_lens = cu[1:] - cu[:-1]
+        rows = metadata.slot_mapping.shape[0]
+        within = torch.arange(rows, device=cu.device) - cu[:-1].repeat_interleave(query_lens)
+        return torch.where(query_lens.repeat_interleave(query_lens) > 1, within, right(metadata))
+
+    import transformers as tf
+
+    config = tf.BioGptConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=128, max_position_embeddings=256)
+    torch.manual_seed(0)  # its learned position embedding takes the engine's positions (paged_forward.position_takers)
+    model = tf.AutoModelForCausalLM.from_config(config).eval().to(torch.bfloat16)
+    LLM(model)  # served as it is
+    model.__dict__.pop("_hf_paged_probe", None)
+    references = []
+    real = probe._float32_reference
+    monkeypatch.setattr(probe, "_float32_reference", lambda *args: references.append(real(*args)) or references[-1])
+    monkeypatch.setattr(paged_forward, "sequence_positions", chunk_blind)
+    with pytest.raises(ValueError, match="'biogpt'.*does not reproduce"):
+        LLM(model)
+    assert len(references) == 1 and references[0] > probe.TOLERANCE.get(torch.bfloat16, 3e-2)  # asked, and disagreed

@@ -178,3 +178,34 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"hf_paged parity: {'FAILED: ' if over else ''}{len(FORGIVEN)} divergence(s) forgiven (HF top-2 margin "
             f"< {MARGIN}; at most {MAX_FORGIVEN_PER_SESSION} allowed per session): {FORGIVEN}", red=over)
+
+
+@pytest.fixture
+def restore():
+    """Puts back torch's thread count and hf_paged's take-over after a test that changes them (benchmark workers)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    hf_paged.enable()
+
+
+def tiny_biogpt():
+    """A tiny BioGPT: its learned position embedding takes the engine's positions (paged_forward.position_takers)."""
+    import transformers as tf
+
+    config = tf.BioGptConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=128, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+def chunk_blind(right):
+    """`paged_forward.sequence_positions` gone wrong only after cached context: a chunk of several tokens counts its
+    positions from 0 (as a module counting from a cache length of 0 would); prefills and decodes stay `right`."""
+    def positions(metadata):
+        cu = metadata.cu_seqlens_q.long()
+        query_lens = cu[1:] - cu[:-1]
+        rows = metadata.slot_mapping.shape[0]
+        within = torch.arange(rows, device=cu.device) - cu[:-1].repeat_interleave(query_lens)
+        return torch.where(query_lens.repeat_interleave(query_lens) > 1, within, right(metadata))
+    return positions

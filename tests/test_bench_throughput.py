@@ -35,16 +35,6 @@ def test_defaults(monkeypatch, argv, systems, requests, max_tokens):
     assert args.systems == systems and args.requests == requests and args.max_tokens == max_tokens
 
 
-@pytest.fixture
-def restore():
-    import torch
-
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    hf_paged.enable()
-
-
 def test_measure_on_a_tiny_model(restore):
     args = SimpleNamespace(arch="llama", dtype="float32", max_tokens=4)
     paged = throughput.measure("hf_paged", 3, args, TINY, 1)

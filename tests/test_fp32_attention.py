@@ -12,6 +12,8 @@ from hf_paged.bench import throughput
 from hf_paged.model import fp32_attention, probe
 from hf_paged.tiny import tiny_model
 
+from conftest import chunk_blind, tiny_biogpt
+
 
 def test_the_wrapper_runs_the_models_own_attention_on_float32_inputs():
     import transformers.models.llama.modeling_llama as llama
@@ -66,27 +68,13 @@ def test_a_bf16_model_whose_router_amplifies_rounding_is_served(monkeypatch, cap
 
 
 def test_a_bf16_model_with_positions_wrong_after_cached_context_is_still_refused(monkeypatch, one_torch_thread):
-    right = paged_forward.sequence_positions
-
-    def chunk_blind(metadata):
-        cu = metadata.cu_seqlens_q.long()
-        query_lens = cu[1:] - cu[:-1]
-        rows = metadata.slot_mapping.shape[0]
-        within = torch.arange(rows, device=cu.device) - cu[:-1].repeat_interleave(query_lens)
-        return torch.where(query_lens.repeat_interleave(query_lens) > 1, within, right(metadata))
-
-    import transformers as tf
-
-    config = tf.BioGptConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             intermediate_size=128, max_position_embeddings=256)
-    torch.manual_seed(0)  # its learned position embedding takes the engine's positions (paged_forward.position_takers)
-    model = tf.AutoModelForCausalLM.from_config(config).eval().to(torch.bfloat16)
+    model = tiny_biogpt().to(torch.bfloat16)
     LLM(model)  # served as it is
     model.__dict__.pop("_hf_paged_probe", None)
     references = []
     real = probe._float32_reference
     monkeypatch.setattr(probe, "_float32_reference", lambda *args: references.append(real(*args)) or references[-1])
-    monkeypatch.setattr(paged_forward, "sequence_positions", chunk_blind)
+    monkeypatch.setattr(paged_forward, "sequence_positions", chunk_blind(paged_forward.sequence_positions))
     with pytest.raises(ValueError, match="'biogpt'.*does not reproduce"):
         LLM(model)
     assert len(references) == 1 and references[0] > probe.TOLERANCE.get(torch.bfloat16, 3e-2)  # asked, and disagreed

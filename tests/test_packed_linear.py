@@ -178,9 +178,8 @@ def test_copies_die_with_their_module(forced):
 def test_measured_choice_is_reported(monkeypatch):
     monkeypatch.delenv(packed_linear.SWITCH, raising=False)
     TABLE.clear()
-    net = make()
+    net, x = make(), torch.randn(3, 64, dtype=torch.bfloat16)
     linears = SmallBatchLinears(net)
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
     for _ in range(2 * (1 + trials.SAMPLES)):  # the trials: the candidates in turn, each result right
         assert close(run(net, linears, x), net(x))
     assert not TABLE.trials

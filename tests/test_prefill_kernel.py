@@ -166,6 +166,24 @@ def counting(monkeypatch, costs=None):
     return calls, run
 
 
+def peaked(model):
+    """`model` with its queries scaled 4x: peaked attention, so the greedy tokens depend on it."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("q_proj"):
+                module.weight.mul_(4.0)
+    return model
+
+
+def assert_hfs_tokens(llm, model, prompts: list[list[int]], new: int) -> None:
+    """`llm`'s greedy tokens for `prompts` are HF generate's."""
+    params = hf_paged.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("kernel_cost, chosen", [(1.0, "kernel"), (5.0, "torch")])
 def test_the_trial_keeps_sdpa_unless_the_kernel_is_faster(monkeypatch, kernel_cost, chosen):
     calls, run = counting(monkeypatch, {"kernel": kernel_cost, "torch": 3.0})
@@ -216,19 +234,10 @@ def test_an_engine_that_takes_it_gives_hfs_tokens(monkeypatch, dtype):
     """Forced: every fresh prompt's attention in the kernel (head dim 64), prefill in chunks and whole."""
     calls, _ = counting(monkeypatch)
     monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
-    model = tiny_model("llama", head_dim=64).to(dtype)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)  # peaked attention: the tokens depend on it
+    model = peaked(tiny_model("llama", head_dim=64).to(dtype))
     llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=64)
-    prompts = [list(range(3, 60)), [5, 9, 13, 2, 7, 11, 3, 8], [4, 4, 9]]
-    params = hf_paged.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_hfs_tokens(llm, model, [list(range(3, 60)), [5, 9, 13, 2, 7, 11, 3, 8], [4, 4, 9]], 10)
     assert calls["kernel"] > 0
-    for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None)
-        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -253,20 +262,11 @@ def test_engines_of_windows_softcaps_sinks_and_chunks_give_hfs_tokens(monkeypatc
     calls, _ = counting(monkeypatch)
     monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
     extra = {"query_pre_attn_scalar": head_dim} if model_type.startswith("gemma") else {}
-    model = tiny_mixed(model_type, head_dim=head_dim, **extra)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith("q_proj"):
-                module.weight.mul_(4.0)  # peaked attention: the tokens depend on it
+    model = peaked(tiny_mixed(model_type, head_dim=head_dim, **extra))
     llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=32)
     prompts = [[(5 * i) % 200 + 3 for i in range(50)], [5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 30, 2, 9], [4, 4, 9]]
-    params = hf_paged.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_hfs_tokens(llm, model, prompts, 8)
     assert calls["kernel"] > 0
-    for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
-        assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt_oss"])
@@ -281,21 +281,12 @@ def test_prefix_hits_and_later_chunks_give_hfs_tokens(monkeypatch, model_type):
     monkeypatch.setattr(prefill_kernel.PrefillKernel, "__call__", kernel)
     monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
     if model_type == "llama":
-        model = tiny_model("llama", head_dim=64)
+        model = peaked(tiny_model("llama", head_dim=64))
     else:
         extra = {"query_pre_attn_scalar": 64} if model_type == "gemma2" else {}
-        model = tiny_mixed(model_type, head_dim=64, **extra)
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith("q_proj"):
-                module.weight.mul_(4.0)
+        model = peaked(tiny_mixed(model_type, head_dim=64, **extra))
     llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=16)
     prompts = [[(5 * i) % 200 + 3 for i in range(45)], [(7 * i) % 200 + 3 for i in range(21)]]
-    params = hf_paged.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for _ in range(2):  # the second time: prefix hits
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        for prompt, out in zip(prompts, outs):
-            with torch.inference_mode():
-                want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None)
-            assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+        assert_hfs_tokens(llm, model, prompts, 6)
     assert any(offset > 0 for offset in offsets) and 0 in offsets

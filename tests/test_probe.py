@@ -8,7 +8,7 @@ from hf_paged import LLM, SamplingParams
 from hf_paged.model.probe import counts_padding
 from hf_paged.tiny import tiny_model
 
-from conftest import left_padded_batch
+from conftest import chunk_blind, left_padded_batch, tiny_biogpt
 
 GREEDY = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
 
@@ -57,32 +57,14 @@ def test_counts_padding_tells_models_that_number_the_padding():
     assert not counts_padding(tiny_model("llama"))  # its positions come from the mask (HF's generate passes them)
 
 
-def _biogpt():
-    import transformers as tf
-
-    config = tf.BioGptConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             intermediate_size=128, max_position_embeddings=256)
-    torch.manual_seed(0)
-    return tf.AutoModelForCausalLM.from_config(config).eval()
-
-
 def test_the_check_catches_positions_wrong_only_after_cached_context(monkeypatch, one_torch_thread):
     """Positions that are right for a prefill from position 0 and for a one-token decode, but count a chunk of
     several tokens after cached context from 0 (as a module counting from a cache length of 0 would): chunked
     prefill would be silently wrong. The check's steps include such chunks, so the model is refused."""
-    right = paged_forward.sequence_positions
-
-    def chunk_blind(metadata):
-        cu = metadata.cu_seqlens_q.long()
-        query_lens = cu[1:] - cu[:-1]
-        rows = metadata.slot_mapping.shape[0]
-        within = torch.arange(rows, device=cu.device) - cu[:-1].repeat_interleave(query_lens)
-        return torch.where(query_lens.repeat_interleave(query_lens) > 1, within, right(metadata))
-
-    model = _biogpt()  # its learned position embedding takes the engine's positions (paged_forward.position_takers)
+    model = tiny_biogpt()
     LLM(model)  # served as it is
     model.__dict__.pop("_hf_paged_probe", None)
-    monkeypatch.setattr(paged_forward, "sequence_positions", chunk_blind)
+    monkeypatch.setattr(paged_forward, "sequence_positions", chunk_blind(paged_forward.sequence_positions))
     with pytest.raises(ValueError, match="'biogpt'.*does not reproduce"):
         LLM(model)
 

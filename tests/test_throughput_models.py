@@ -4,18 +4,8 @@ HF padded generate's tokens on it."""
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-import hf_paged
 from hf_paged.bench import throughput, throughput_models
-
-
-@pytest.fixture
-def restore():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-    hf_paged.enable()
 
 
 def test_workload():

@@ -122,9 +122,9 @@ class Table:
         `next_call`), unless one is made already: the one kept."""
         with self.lock:
             if key not in self.choices:
+                self.decided(key, choice, products or {})  # first: a hook that raises leaves nothing half-made
                 self.trials.pop(key, None)
                 self.choices[key] = choice
-                self.decided(key, choice, products or {})
             return self.choices[key]
 
     def next_call(self, key: Hashable, products: dict[str, Any]) -> str | None:
@@ -150,9 +150,9 @@ class Table:
                 return None
             left = {n: each[n] for n in trial.names}
             choice = Choice(fastest(left, baseline or self.baseline), each, probe_seconds=trial.spent)
+            self.decided(key, choice, trial.products)  # first: a hook that raises leaves the trial as it was
             del self.trials[key]
             self.choices[key] = choice
-            self.decided(key, choice, trial.products)
             return choice
 
     def timed(self, key: Hashable, name: str | None, run: Callable[[], Any], baseline: str | None = None,

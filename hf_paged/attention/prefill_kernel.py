@@ -8,8 +8,8 @@ attention sinks take SDPA with a mask or hf_paged's explicit-score attention (`t
 still: there, 400-token prompts, gemma2-like soft-capping (8 / 4 heads of 256) 17-18 ms against 5.2-5.4, gpt-oss-like
 sinks with a 128-token window (64 / 8 heads of 64) 120 ms against 7. Prompts whose new tokens follow keys already in
 the pages (a prefix hit, a later chunk of a long prompt) take the same kernel, once per sequence, over keys read from
-their pages (`attend_paged`), against torch's padded tile of them. Another CPU may rank them otherwise, so nothing is
-assumed:
+their pages (`attend_from_pages`), against torch's padded tile of them. Another CPU may rank them otherwise, so
+nothing is assumed:
 
 Invariants:
 - Only for what the kernel implements: causal attention of a prompt's new tokens over the keys before them and
@@ -121,8 +121,8 @@ def _measured(choice_key: tuple, kernel_path, torch_path) -> torch.Tensor:
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, torch_path,
            window: int | None = None, chunk: int | None = None, softcap: float | None = None,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """One fresh prompt's causal attention (module invariants): `torch_path()` or the kernel, whichever this key
-    chose or its trial names now (timed)."""
+    """One prompt's causal attention, fresh or after key.shape[0] - query.shape[0] cached keys (module invariants):
+    `torch_path()` or the kernel, whichever this key chose or its trial names now (timed)."""
     switch = os.environ.get(SWITCH, "").strip().lower()
     if switch == "0" or not takes(query, key, value, softcap, sinks):
         return torch_path()
@@ -138,29 +138,29 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     return _measured(choice_key, run, torch_path)
 
 
-def attend_paged(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, sequences: list[tuple],
-                 scale: float, torch_path, window: int | None = None, chunk: int | None = None,
-                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attend_from_pages(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, sequences,
+                      most: int, scale: float, torch_path, window: int | None = None, chunk: int | None = None,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prompts whose new tokens follow keys already in the pages (a prefix hit, a later chunk), read from the pages
-    [blocks, block size, G, D]: `sequences` holds each one's (packed query rows, its blocks, its keys in all, the
-    cached and its own). `torch_path()` (the whole tile) or the kernel once per sequence, whichever this key chose or
-    its trial names now (timed); the rows come back in `sequences`' order."""
+    [blocks, block size, G, D]: `sequences()` gives each one's (packed query rows, its blocks, its keys in all, the
+    cached and its own), asked only when the kernel runs; `most`: the largest of those key counts. `torch_path()`
+    (the whole tile) or the kernel once per sequence, whichever this key chose or its trial names now (timed); the
+    rows come back in `sequences`' order."""
     switch = os.environ.get(SWITCH, "").strip().lower()
     kernel = load_prefill_kernel() if switch != "0" and _fits(query, key_cache, softcap, sinks) else None
     if kernel is None or key_cache.dim() != 4 or value_cache.shape != key_cache.shape \
-            or value_cache.dtype is not key_cache.dtype or not sequences:
+            or value_cache.dtype is not key_cache.dtype or most <= 0:
         return torch_path()
 
     def run() -> torch.Tensor:
         outs = []
-        for rows, blocks, keys in sequences:
+        for rows, blocks, keys in sequences():
             k, v = (cache[blocks].flatten(0, 1)[:keys] for cache in (key_cache, value_cache))
             outs.append(kernel(query[rows], k, v, scale, window, chunk, softcap, sinks))
         return torch.cat(outs)
 
     if switch == "kernel":
         return run()
-    most = max(keys for _, _, keys in sequences)
     choice_key = (query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], 1 << max(most - 1, 0).bit_length(),
                   torch.get_num_threads(), _limits(most, window, chunk, softcap, sinks, True))
     return _measured(choice_key, run, torch_path)

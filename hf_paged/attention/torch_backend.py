@@ -91,12 +91,15 @@ def _attend_tile(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
                                                        not extras.names() <= prefill_kernel.EXTRAS):
         return torch_path()  # decodes: decode_choice's (torch's path here)
     # prompts after cached keys: torch's padded tile or the native kernel per sequence, whichever measured faster
-    query_lens, keys = plan.query_lens.view(-1).tolist(), plan.context_lens.view(-1).tolist()
-    per_block = key_cache.shape[1]
-    sequences = [(plan.query_index[g, :query_lens[g]], plan.block_tables[g, :-(-keys[g] // per_block)], keys[g])
-                 for g in range(len(keys))]
-    return prefill_kernel.attend_paged(query, key_cache, value_cache, sequences, scale, torch_path, sliding_window,
-                                       chunk, softcap, None if extras is None else extras.sinks)
+    def sequences() -> list[tuple]:  # (query rows, blocks, keys) of each sequence: only where the kernel runs
+        query_lens, keys = plan.query_lens.view(-1).tolist(), plan.context_lens.view(-1).tolist()
+        per_block = key_cache.shape[1]
+        return [(plan.query_index[g, :query_lens[g]], plan.block_tables[g, :-(-keys[g] // per_block)], keys[g])
+                for g in range(len(keys))]
+
+    return prefill_kernel.attend_from_pages(query, key_cache, value_cache, sequences, int(plan.context_lens.max()),
+                                            scale, torch_path, sliding_window, chunk, softcap,
+                                            None if extras is None else extras.sinks)
 
 
 def _scored(extras: LayerExtras | None) -> bool:

@@ -52,6 +52,7 @@ def test_measure_on_a_tiny_model(restore):
     assert isinstance(paged["fused"]["norms_status"], str) and 0 <= paged["fused"]["norms"] <= 3  # 1 layer x 2 + 1
     assert isinstance(paged["decode_attention"], list) and "decode_attention" not in padded
     assert isinstance(paged["prefill_attention"], list) and "prefill_attention" not in padded
+    assert isinstance(paged["expert_products"], list) and "expert_products" not in padded
 
 
 def test_the_decode_attention_choice_is_printed(capsys):
@@ -64,7 +65,9 @@ def test_the_decode_attention_choice_is_printed(capsys):
                                {"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "rows": 32,
                                 "threads": 1, "path": "torch", "us": {"torch": 50.0, "kernel": 52.0}, "limits": ""},
                                {"dtype": "float32", "heads": 8, "kv_heads": 2, "head_dim": 64, "rows": 32,
-                                "threads": 1, "path": "kernel", "us": {"torch": 90.0, "kernel": 40.0}, "limits": "wk"}]}
+                                "threads": 1, "path": "kernel", "us": {"torch": 90.0, "kernel": 40.0}, "limits": "wk"}],
+         "expert_products": [{"weight": [8, 512, 1024], "layout": "kn", "rows": 128, "threads": 1, "kernel": True,
+                              "path": "kernel", "us": {"grouped_mm": 2350.4, "onednn": 2970.0, "kernel": 1279.6}}]}
     throughput_report.print_fused([r])
     out = capsys.readouterr().out
     assert ("decode attention in hf_paged's worker, 64 requests, float32 pages, 8/2 heads of 64, 1 threads: keys "
@@ -72,6 +75,8 @@ def test_the_decode_attention_choice_is_printed(capsys):
     assert ("prompt attention in hf_paged's worker, 64 requests, float32, 8/2 heads of 64, 1 threads: <=32 tokens "
             "SDPA (SDPA 50 us, kernel 52 us); <=32 tokens (wk) kernel (SDPA 90 us, kernel 40 us); <=256 tokens kernel "
             "(SDPA 900 us, kernel 500 us)") in out
+    assert ("expert products in hf_paged's worker, 64 requests, 1 threads: 8x512x1024 (kn) <=128 rows kernel "
+            "(grouped_mm 2350 us, onednn 2970 us, kernel 1280 us)") in out
 
 
 def test_the_warm_up_has_the_timed_calls_size(restore, monkeypatch):

@@ -228,6 +228,9 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
         from hf_paged.attention.prefill_kernel import prefill_choices
 
         extra["prefill_attention"] = prefill_choices()
+        from hf_paged.model.expert_products import expert_choices
+
+        extra["expert_products"] = expert_choices()
         extra["warmups"], extra["open_trials"] = len(warmups), open_trials()
     return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "threads": threads, **extra,

@@ -17,7 +17,8 @@ def _linear_paths(result: dict) -> dict[str, str]:
 def print_fused(results: list[dict]) -> None:
     """The native RMSNorm and rotary passes each hf_paged worker's engine took (fused_norms / fused_rotary), and the
     path its CPU decode attention took per layer shape (attention/decode_choice) and its fresh prompts' attention per
-    shape and prompt-length bucket (attention/prefill_kernel)."""
+    shape and prompt-length bucket (attention/prefill_kernel), and its mixture experts' products per weight and
+    row bucket (model/expert_products)."""
     for r in results:
         if fused := r.get("fused"):
             print(f"\nfused passes in hf_paged's worker, {r['requests']} requests: RMSNorm on {fused['norms']} modules "
@@ -36,6 +37,12 @@ def print_fused(results: list[dict]) -> None:
             c = r["prefill_attention"][0]
             print(f"prompt attention in hf_paged's worker, {r['requests']} requests, {c['dtype']}, {c['heads']}/"
                   f"{c['kv_heads']} heads of {c['head_dim']}, {c['threads']} threads: {'; '.join(buckets)}")
+        experts = [f"{'x'.join(map(str, c['weight']))} ({c['layout']}) <={c['rows']} rows {c['path']} ("
+                   + ", ".join(f"{n} {us:.0f} us" for n, us in c["us"].items()) + ")"
+                   for c in sorted(r.get("expert_products", []), key=lambda c: (c["weight"], c["rows"]))]
+        if experts:
+            print(f"expert products in hf_paged's worker, {r['requests']} requests, "
+                  f"{r['expert_products'][0]['threads']} threads: {'; '.join(experts)}")
 
 
 def print_small_linears(results: list[dict]) -> None:

@@ -11,8 +11,8 @@ from ..attention import AttentionBackends, AttentionMetadata, choose_backends
 from ..kv import NULL_BLOCK, KVCache
 from ..kv.state import StateSlots
 from ..kv.slots import slots_of
-from ..model import (FusedLayers, FusedNorms, FusedRotary, ModelSpec, PagedForwardContext, SmallBatchLinears, forward_lock,
-                     paged_attention_active, require_enabled)
+from ..model import (ExpertProducts, FusedLayers, FusedNorms, FusedRotary, ModelSpec, PagedForwardContext,
+                     SmallBatchLinears, forward_lock, paged_attention_active, require_enabled)
 from ..model.greedy_head import returned_untouched
 from ..model.state_layers import StateStep
 from ..sampling import Sampler, picks_by_argmax
@@ -56,6 +56,7 @@ class ModelRunner:
         self.norms = FusedNorms(model)  # Llama-family RMSNorms on CPU in one native pass
         self.rotary = FusedRotary(model)  # and their rotary embeddings
         self.layers = FusedLayers(model)  # Llama-coded decoder layers of few-row CPU steps in joined products
+        self.experts = ExpertProducts(model)  # a mixture's fp32 expert products on the measured faster path
         self.layer_calls: dict = {}  # what each attention module's calls need, found in the first step (LayerCall)
         self.num_attention_layers = len(spec.kv.stored_layers)  # calls a forward makes (the start-up check's count)
         # decode-only steps padded to a bucket and replayed as CUDA graphs (None: every step eager; see cuda_graphs.py)
@@ -180,7 +181,7 @@ class ModelRunner:
         head_rows = rows if sample_rows is None or not self.spec.accepts_logits_to_keep else sample_rows.shape[0]
         with forward_lock(self.model), paged_attention_active(self.spec.configs), \
                 self.linears.active(rows, head_rows, greedy), \
-                self.norms.active(), self.rotary.active(), self.layers.active():
+                self.norms.active(), self.rotary.active(), self.layers.active(), self.experts.active():
             out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                              paged_context=context, **kwargs)
         if context.num_calls != self.num_attention_layers:

@@ -1,7 +1,8 @@
 """The one place hf_paged changes transformers: attention registration, the `generate` take-over, the
 text-generation pipeline's `get_iterator` (one engine run per pipeline call), the continuous-batching entry points
-(`init_continuous_batching`: integrations/cb_manager.py) and the `PreTrainedConfig.
-_attn_implementation` getter (it answers first from the running thread's switches: model/switches.py).
+(`init_continuous_batching`: integrations/cb_manager.py), the `PreTrainedConfig._attn_implementation` getter (it
+answers first from the running thread's switches: model/switches.py) and the mixture experts' grouped product
+(`integrations.moe._grouped_mm`: transformers' own outside an engine's forward, model/expert_products.py).
 Version-checked and reversible (`enable()` runs on import; `disable()` restores everything)."""
 from __future__ import annotations
 

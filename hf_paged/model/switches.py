@@ -33,6 +33,7 @@ class _ThisThread(threading.local):
     def __init__(self):
         self.attention: dict = {}  # id(config) -> (config, attention implementation name) while switched
         self.linears: set = set()  # ids of linear modules whose few-row forward is on
+        self.experts = False  # whether a mixture's grouped products take their measured path (expert_products)
         self.fused: set = set()  # ids of modules whose fused forward is on (fused_norms, fused_rotary)
         self.fused_layers: dict = {}  # id(decoder layer) -> (parts, projections) while its fused forward is on
         self.greedy = None  # the greedy_head.GreedyStep of the forward this thread runs, while one asks for picks

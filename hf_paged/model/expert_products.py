@@ -1,0 +1,223 @@
+"""A mixture's fp32 expert products, in the engine's forwards, on whichever path measured fastest on this machine:
+transformers' own grouped product or oneDNN's GEMM once per expert.
+
+transformers runs the experts of its mixture-of-experts models (gpt-oss, Qwen3-MoE, Mixtral, ...: the classes under
+`use_experts_implementation`, whose default implementation is "grouped_mm") through `integrations.moe._grouped_mm`:
+rows sorted by expert, one product per expert over its group of rows. On a CPU that is `torch._grouped_mm`, one fp32
+`mm` per expert through MKL, which on an AMD EPYC (Zen 5, issue 27) runs its AVX2 code: ~100 GFLOP/s a thread, where
+oneDNN's GEMM on the same groups reaches ~1.4x (16 rows per expert) to 2x (hundreds). So nothing is assumed: in an
+engine's forward each fp32 grouped product is a choice (`TABLE`, a `trials.Table`) between transformers' product
+("grouped_mm", the baseline) and oneDNN's once per expert ("onednn"), per weight shape and layout, row bucket and
+thread count, timed on the first calls of each key in the model's own forwards.
+
+Invariants:
+- While hf_paged is enabled transformers' `_grouped_mm` is one wrapper (`register` / `unregister`, from
+  `model.register()`), which runs transformers' own function unless the running thread is inside an engine's forward
+  (`ExpertProducts.active`: `THIS_THREAD.experts`) and the call is one oneDNN's path takes (`takes`: fp32 CPU
+  tensors, no gradient wanted, no autocast, oneDNN enabled). A plain forward, a training step, another thread,
+  anything after `disable()` computes exactly as without hf_paged.
+- The same sums as transformers' product in another order (oneDNN's fp32 math is strict unless torch's float32
+  matmul precision allows less): measuring never changes a result beyond rounding.
+- Rows past the last offset (expert parallelism's sentinels, which torch's product leaves unwritten and transformers
+  masks) come back as zeros; a group of no rows costs nothing.
+- `HF_PAGED_EXPERT_PRODUCTS=0`: transformers' product always; `=onednn`: oneDNN's wherever it takes the call (tests,
+  comparisons); unset / `auto`: measured.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .. import native, trials
+from . import onednn_linear
+from .linear_choice import BUCKET_OF, many_bucket
+from .small_linear import load_small_gemm
+from .switches import THIS_THREAD
+
+BASELINE = "grouped_mm"
+SWITCH = "HF_PAGED_EXPERT_PRODUCTS"
+KERNEL_SWITCH = "HF_PAGED_EXPERT_GEMM"  # =0: no native kernel (not built, not a candidate)
+SOURCE = Path(__file__).with_name("cpu") / "expert_gemm.c"
+TABLE = trials.Table(BASELINE)
+_original: list = []  # transformers' `_grouped_mm` while the wrapper is installed
+
+
+def mode() -> str:
+    """"off", "onednn" or "kernel" (forced), or "auto" (measured), from HF_PAGED_EXPERT_PRODUCTS."""
+    value = os.environ.get(SWITCH, "auto").strip().lower()
+    return {"0": "off", "onednn": "onednn", "kernel": "kernel"}.get(value, "auto")
+
+
+class ExpertGemm:
+    """`expert_gemm_f32` of cpu/expert_gemm.c: every expert's group of rows times its input-major weight."""
+
+    def __init__(self, path: Path):
+        fn = ctypes.CDLL(str(path)).expert_gemm_f32
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+        fn.restype = None
+        self.fn = fn
+
+    @torch.compiler.disable  # native code through raw pointers: never traced by dynamo
+    def __call__(self, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        """input [S, k] and weight [E, k, n] fp32 contiguous (n a multiple of 16: `kernel_takes`) -> [S, n]."""
+        count, k = input.shape
+        experts, n = weight.shape[0], weight.shape[2]
+        ends = offs.to(torch.int64).clamp(0, count).cummax(0).values.contiguous()  # what the kernel may trust
+        out = input.new_empty(count, n)
+        self.fn(input.data_ptr(), weight.data_ptr(), out.data_ptr(), ends.data_ptr(), experts, k, n)
+        last = int(ends[-1]) if experts else 0
+        if last < count:
+            out[last:].zero_()
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load_expert_gemm() -> ExpertGemm | None:
+    """The native kernel, built on first use (hf_paged/native.py), or None (no compiler, HF_PAGED_EXPERT_GEMM=0...)."""
+    kernel, _ = native.load(SOURCE, KERNEL_SWITCH, ExpertGemm)
+    return kernel
+
+
+def native_product(input: torch.Tensor, weight: torch.Tensor):  # noqa: A002 - transformers' name
+    """The native candidate for a call `takes` allows (contiguous rows), or None: an input-major weight [E, k, n]
+    stored so (gpt-oss), n a multiple of 16: `expert_gemm`; an output-major one (a view of [E, n, k] stored so:
+    Mixtral, Qwen-MoE) the few-row linear kernel (`small_linear`'s) once per expert."""
+    if weight.is_contiguous() and weight.shape[2] % 16 == 0 and weight.shape[2] > 0:
+        return load_expert_gemm()
+    if weight.transpose(1, 2).is_contiguous():
+        small = load_small_gemm()
+        return functools.partial(_per_expert_small, small) if small is not None else None
+    return None
+
+
+def _per_expert_small(small, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa
+    out = input.new_empty(input.shape[0], weight.shape[2])
+    start = 0
+    for expert, end in enumerate(offs.tolist()):
+        end = min(max(end, start), input.shape[0])
+        if end > start:
+            out[start:end] = small(input[start:end], weight[expert].t(), None)
+        start = end
+    if start < input.shape[0]:
+        out[start:].zero_()
+    return out
+
+
+def takes(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:  # noqa: A002 - transformers' name
+    """Whether oneDNN's path may run `input` [S, k] x `weight` [E, k, n] grouped by `offs` [E] (cumulative ends)."""
+    return (input.dtype is torch.float32 and weight.dtype is torch.float32 and input.is_cpu and weight.is_cpu
+            and input.dim() == 2 and weight.dim() == 3 and input.shape[1] == weight.shape[1]
+            and offs.dim() == 1 and offs.shape[0] == weight.shape[0] and offs.is_cpu
+            and not offs.dtype.is_floating_point
+            and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
+            and not torch.is_autocast_enabled("cpu") and onednn_linear.available()
+            and torch._C._get_mkldnn_enabled())
+
+
+def per_expert(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """[S, n]: each expert's group of rows times its weight through oneDNN; rows past the last offset are zeros."""
+    ends = offs.tolist()
+    out = input.new_empty(input.shape[0], weight.shape[2])
+    start = 0
+    for expert, end in enumerate(ends):
+        end = min(max(end, start), input.shape[0])
+        if end > start:
+            out[start:end] = onednn_linear.product(input[start:end], weight[expert].t(), None)
+        start = end
+    if start < input.shape[0]:
+        out[start:].zero_()
+    return out
+
+
+def grouped(original, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """What transformers' `_grouped_mm` wrapper runs (module invariants)."""
+    if not THIS_THREAD.experts or not takes(input, weight, offs):
+        return original(input, weight, offs=offs)
+    switch = mode()
+    if switch == "off":
+        return original(input, weight, offs=offs)
+    rows = input if input.is_contiguous() else input.contiguous()
+    kernel = native_product(rows, weight) if switch in ("auto", "kernel") else None
+    if switch == "onednn" or (switch == "kernel" and kernel is None):
+        return per_expert(rows, weight, offs)
+    if switch == "kernel":
+        return kernel(rows, weight, offs)
+    count = rows.shape[0]
+    bucket = BUCKET_OF[count] if count < len(BUCKET_OF) else many_bucket(count)
+    key = (tuple(weight.shape), "kn" if weight.stride(-1) == 1 else "nk", bucket, torch.get_num_threads(),
+           kernel is not None)
+    products = {BASELINE: original, "onednn": per_expert, **({"kernel": kernel} if kernel is not None else {})}
+    name = None if key in TABLE.choices else TABLE.next_call(key, products)
+    path = name or TABLE.choices[key].path
+    if path == BASELINE:
+        run = functools.partial(original, input, weight, offs=offs)
+    else:
+        run = functools.partial(products[path], rows, weight, offs)
+    out, _ = TABLE.timed(key, name, run)
+    return out
+
+
+class ExpertProducts:
+    """A model's mixture experts (modules under transformers' `use_experts_implementation`), found once;
+    `active()` is a context for one engine forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.on = mode() != "off" and any(_is_experts(m) for m in model.modules())
+
+    @contextmanager
+    def active(self):
+        if not self.on or THIS_THREAD.experts:
+            yield
+            return
+        THIS_THREAD.experts = True
+        try:
+            yield
+        finally:
+            THIS_THREAD.experts = False
+
+
+def _is_experts(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("has_gate", "is_transposed", "has_bias"))
+
+
+def register() -> bool:
+    """Wrap transformers' `_grouped_mm` (idempotent); False where this transformers has none (nothing to do)."""
+    if _original:
+        return True
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # pragma: no cover - transformers without mixture integrations
+        return False
+    original = getattr(moe, "_grouped_mm", None)
+    if original is None or not callable(original):
+        return False
+
+    @functools.wraps(original)
+    def _grouped_mm(input, weight, offs):  # noqa: A002 - transformers' names
+        return grouped(original, input, weight, offs)
+
+    _grouped_mm.hf_paged_original = original
+    moe._grouped_mm = _grouped_mm
+    _original.append(original)
+    return True
+
+
+def unregister() -> None:
+    """Put transformers' own `_grouped_mm` back."""
+    if not _original:
+        return
+    from transformers.integrations import moe
+
+    moe._grouped_mm = _original.pop()
+
+
+def expert_choices() -> list[dict]:
+    """Every choice so far: weight shape and layout, row bucket, threads, path, each candidate's time in us."""
+    return [{"weight": list(k[0]), "layout": k[1], "rows": k[2], "threads": k[3], "kernel": k[4], "path": c.path,
+             "us": {n: round(s * 1e6, 1) for n, s in c.seconds.items()}} for k, c in list(TABLE.choices.items())]

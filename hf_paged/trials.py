@@ -1,7 +1,8 @@
 """Choosing a fast path by timing it on real calls: the trial, the rule that picks, and a table of both.
 
 Every fast path of hf_paged that has a plain alternative (the few-row products of `model/linear_choice`, the CPU
-decode attention of `attention/decode_choice`, the prompt attention of `attention/prefill_kernel`) earns its place on
+decode attention of `attention/decode_choice`, the prompt attention of `attention/prefill_kernel`, a mixture's
+expert products in `model/expert_products`) earns its place on
 the machine it runs on: the first calls of each key (a shape, a dtype, a thread count, ...) run the candidates in
 turn, each call timed whole where it runs (inside the real forward, with the caches as a real step leaves them), and
 the fastest is kept for the rest of the process.

@@ -75,7 +75,7 @@ def test_the_decode_attention_choice_is_printed(capsys):
     assert ("prompt attention in hf_paged's worker, 64 requests, float32, 8/2 heads of 64, 1 threads: <=32 tokens "
             "SDPA (SDPA 50 us, kernel 52 us); <=32 tokens (wk) kernel (SDPA 90 us, kernel 40 us); <=256 tokens kernel "
             "(SDPA 900 us, kernel 500 us)") in out
-    assert ("expert products in hf_paged's worker, 64 requests, 1 threads: 8x512x1024 (kn) <=128 rows kernel "
+    assert ("expert products in hf_paged's worker, 64 requests, 1 threads: 8x512x1024 float32 (kn) <=128 rows kernel "
             "(grouped_mm 2350 us, onednn 2970 us, kernel 1280 us)") in out
 
 
@@ -216,3 +216,24 @@ def test_small_linear_paths_and_table(capsys):
     r["round_small_linear_paths"] = r["round_small_linear_paths"][:1] * 2
     throughput_report.print_small_linears([r])
     assert "all rounds chose alike" in capsys.readouterr().out
+
+
+def test_the_matmul_limit_counts_the_expert_weights_a_token_uses():
+    """A mixture of 4 experts, 2 per token: half of each layer's expert weights are idle for a token; a dense model
+    has none."""
+    from hf_paged.bench.throughput_models import build_model, workload
+
+    model = build_model("gpt_oss", workload("gpt_oss", small=True)["model"])
+    experts = [m for m in model.modules() if type(m).__name__ == "GptOssExperts"]
+    assert len(experts) == 4 and model.config.num_experts_per_tok == 2 and experts[0].num_experts == 4
+    assert throughput.idle_expert_params(model) == sum(p.numel() for m in experts for p in m.parameters()) // 2
+    assert throughput.idle_expert_params(build_model("llama", workload("llama", small=True)["model"])) == 0
+
+
+def test_the_matmul_limit_of_a_mixture_uses_its_active_weights():
+    """2 requests x 3 tokens at 1 GFLOP/s: FLOPs = 2 x (weights used per token) x (prompt + output) + 2 x lm_head x
+    output, with 400 of the 800 non-embedding weights used per token."""
+    args = SimpleNamespace(requests=[2], max_tokens=3)
+    params = {"total": 1000, "embedding": 100, "lm_head": 100, "non_embedding": 800, "active_non_embedding": 400}
+    limits, _ = throughput_report.summarise(args, {2: 10}, 1.0, params, [])
+    assert limits[2] == pytest.approx(6 / ((2 * 400 * 16 + 2 * 100 * 6) / 1e9))

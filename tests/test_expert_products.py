@@ -71,6 +71,23 @@ def test_every_path_gives_torchs_grouped_product(input_major):
         assert torch.equal(out[13:], torch.zeros(2, 96))
 
 
+def test_the_bf16_kernel_rounds_its_fp32_sums_once():
+    """bf16 weights widened exactly: every output within one bf16 spacing of the exact product (float64), as torch's
+    (oneDNN's) bf16 product; the two round apart only where their fp32 sums straddle a bf16 rounding boundary."""
+    kernel = X.load_expert_gemm()
+    if kernel is None:
+        pytest.skip("no C compiler")
+    rows, weight, ends = grouped_inputs([3, 0, 17, 1], 304, 80, extra_rows=2)
+    rows, weight = rows.bfloat16(), weight.bfloat16()
+    out = kernel(rows, weight, ends)
+    assert out.dtype is torch.bfloat16 and torch.equal(out[21:], torch.zeros(2, 80, dtype=torch.bfloat16))
+    exact = reference(rows, weight, ends)[:21]
+    spacing = torch.pow(2.0, torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    assert bool(((out[:21].double() - exact).abs() <= spacing).all())
+    torch_out = torch._grouped_mm(rows, weight, offs=ends)[:21]
+    assert (out[:21] != torch_out).double().mean() < 0.01
+
+
 def test_a_malformed_end_cannot_send_the_kernel_past_the_rows():
     """Ends past the rows or going back are clamped before the kernel reads them (what the kernel may trust). One
     thread: groups then run in order, so a later group overlapping an earlier one (an end going back) would show."""
@@ -182,6 +199,28 @@ def assert_hfs_tokens(llm, model, prompts, new):
         with torch.inference_mode():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
+
+
+def test_a_bf16_engine_on_the_kernel_gives_the_tokens_of_transformers_product(monkeypatch):
+    """bf16 gpt-oss (input-major experts): forced onto the kernel, the same greedy tokens as with transformers'
+    product in the same engine (bf16 hf_paged parts from HF's bf16 generate on its float32 attention sums: probe)."""
+    calls = []
+    function = X.native_product
+
+    def counted(*args):
+        kernel = function(*args)
+        return None if kernel is None else lambda *a: calls.append(1) or kernel(*a)
+    monkeypatch.setattr(X, "native_product", counted)
+    model = tiny_mixed("gpt_oss", head_dim=16).to(torch.bfloat16)
+    prompts = [[(5 * i) % 200 + 3 for i in range(50)], [5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 30, 2, 9], [4, 4, 9]]
+    params = hf_paged.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for path in ("0", "kernel"):
+        monkeypatch.setenv(X.SWITCH, path)
+        llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=32)
+        tokens[path] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert bool(calls) is (path == "kernel")
+    assert tokens["kernel"] == tokens["0"]
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])

@@ -235,7 +235,20 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
     return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "threads": threads, **extra,
             "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": peak_rss_mb(), "tokens": tokens,
-            "params": {"total": total, "embedding": embed, "lm_head": head, "non_embedding": total - embed - head}}
+            "params": {"total": total, "embedding": embed, "lm_head": head, "non_embedding": total - embed - head,
+                       "active_non_embedding": total - embed - head - idle_expert_params(model)}}
+
+
+def idle_expert_params(model) -> int:
+    """How many of a mixture's expert weights a token does not use (each token runs top-k of each layer's experts;
+    0 without experts): the matmul limit counts the weights a token multiplies."""
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    idle = 0
+    for module in model.modules():
+        experts = getattr(module, "num_experts", None)
+        if top_k and experts and all(hasattr(module, a) for a in ("has_gate", "is_transposed")):
+            idle += round(sum(p.numel() for p in module.parameters()) * (1 - min(top_k, experts) / experts))
+    return idle
 
 
 def _measure(system: str, n: int, common_args: list[str], timeout: float, round_index: int, rounds: int) -> dict:

@@ -37,7 +37,8 @@ def print_fused(results: list[dict]) -> None:
             c = r["prefill_attention"][0]
             print(f"prompt attention in hf_paged's worker, {r['requests']} requests, {c['dtype']}, {c['heads']}/"
                   f"{c['kv_heads']} heads of {c['head_dim']}, {c['threads']} threads: {'; '.join(buckets)}")
-        experts = [f"{'x'.join(map(str, c['weight']))} ({c['layout']}) <={c['rows']} rows {c['path']} ("
+        experts = [f"{'x'.join(map(str, c['weight']))} {c.get('dtype', 'float32')} ({c['layout']}) <={c['rows']} rows "
+                   f"{c['path']} ("
                    + ", ".join(f"{n} {us:.0f} us" for n, us in c["us"].items()) + ")"
                    for c in sorted(r.get("expert_products", []), key=lambda c: (c["weight"], c["rows"]))]
         if experts:
@@ -105,8 +106,9 @@ def summarise(args, prompt_tokens: dict[int, int], gflops: float, params: dict |
     limits, rows = {}, []
     for n in args.requests:
         output_tokens = n * args.max_tokens
-        flops = 2 * params["non_embedding"] * (prompt_tokens[n] + output_tokens) + 2 * params["lm_head"] * \
-            output_tokens if params else None
+        used = params.get("active_non_embedding", params["non_embedding"]) if params else 0  # a mixture: top-k
+        flops = 2 * used * (prompt_tokens[n] + output_tokens) + 2 * params["lm_head"] * output_tokens \
+            if params else None
         limits[n] = output_tokens / (flops / (gflops * 1e9)) if flops else None
         group = {r["system"]: r for r in results if r["requests"] == n and "error" not in r}
         reference = group.get("hf_padded", {}).get("tokens")
@@ -155,7 +157,10 @@ def print_round_differences(results: list[dict]) -> None:
 def print_report(args, report: dict, rows: list, path) -> None:
     params, limits, results = report["params"], report["matmul_limit_tok_per_s"], report["results"]
     if params:
-        print(f"\nmodel: {params['total'] / 1e6:.1f} M params ({params['non_embedding'] / 1e6:.1f} M non-embedding), "
+        active = params.get("active_non_embedding", params["non_embedding"])
+        used = f", {active / 1e6:.1f} M of them used per token" if active != params["non_embedding"] else ""
+        print(f"\nmodel: {params['total'] / 1e6:.1f} M params ({params['non_embedding'] / 1e6:.1f} M non-embedding"
+              f"{used}), "
               f"{args.max_tokens} new tokens/request; matmul-limit output tok/s: "
               + ", ".join(f"{n} req {v:.0f}" for n, v in limits.items() if v))
     print(f"results written to {path}")

@@ -1,27 +1,34 @@
-"""A mixture's fp32 expert products, in the engine's forwards, on whichever path measured fastest on this machine:
-transformers' own grouped product or oneDNN's GEMM once per expert.
+"""A mixture's expert products, in the engine's forwards, on whichever path measured fastest on this machine:
+transformers' own grouped product, oneDNN's GEMM once per expert, or a native kernel.
 
 transformers runs the experts of its mixture-of-experts models (gpt-oss, Qwen3-MoE, Mixtral, ...: the classes under
 `use_experts_implementation`, whose default implementation is "grouped_mm") through `integrations.moe._grouped_mm`:
-rows sorted by expert, one product per expert over its group of rows. On a CPU that is `torch._grouped_mm`, one fp32
-`mm` per expert through MKL, which on an AMD EPYC (Zen 5, issue 27) runs its AVX2 code: ~100 GFLOP/s a thread, where
-oneDNN's GEMM on the same groups reaches ~1.4x (16 rows per expert) to 2x (hundreds). So nothing is assumed: in an
-engine's forward each fp32 grouped product is a choice (`TABLE`, a `trials.Table`) between transformers' product
-("grouped_mm", the baseline) and oneDNN's once per expert ("onednn"), per weight shape and layout, row bucket and
-thread count, timed on the first calls of each key in the model's own forwards.
+rows sorted by expert, one product per expert over its group of rows. On a CPU that is `torch._grouped_mm`, one
+`mm` per expert: fp32 through MKL, which on an AMD EPYC (Zen 5, issue 27) runs its AVX2 code and, for a handful of
+rows per expert, far below both the FMA rate and the memory bandwidth; bf16 through oneDNN. Candidates:
+transformers' product ("grouped_mm", the baseline); for fp32, oneDNN's GEMM once per expert ("onednn": 1.4x at 16
+rows per expert, 2x at hundreds, weights in cache); and "kernel": for weights stored input-major ([E, k, n], gpt-oss)
+`cpu/expert_gemm.c` (each weight row loaded once per six rows of the group; fp32 2.4x at 16 rows, 2x at 256; bf16
+weights widened in registers: 1.8x at 1-2 rows, a loss from 64 on, where oneDNN's bf16 instructions win), for fp32
+weights stored output-major (a view of [E, n, k]: Mixtral, Qwen-MoE) the few-row linear kernel of `small_linear` once
+per expert. Nothing is assumed: in an engine's forward each grouped product is a choice (`TABLE`, a `trials.Table`)
+among them per weight shape, dtype and layout, row bucket and thread count, timed on the first calls of each key in
+the model's own forwards.
 
 Invariants:
 - While hf_paged is enabled transformers' `_grouped_mm` is one wrapper (`register` / `unregister`, from
   `model.register()`), which runs transformers' own function unless the running thread is inside an engine's forward
-  (`ExpertProducts.active`: `THIS_THREAD.experts`) and the call is one oneDNN's path takes (`takes`: fp32 CPU
-  tensors, no gradient wanted, no autocast, oneDNN enabled). A plain forward, a training step, another thread,
+  (`ExpertProducts.active`: `THIS_THREAD.experts`) and the call is one another path takes (`takes`: fp32 or bf16
+  CPU tensors, no gradient wanted, no autocast, oneDNN enabled). A plain forward, a training step, another thread,
   anything after `disable()` computes exactly as without hf_paged.
 - The same sums as transformers' product in another order (oneDNN's fp32 math is strict unless torch's float32
-  matmul precision allows less): measuring never changes a result beyond rounding.
+  matmul precision allows less; bf16: exact products summed in fp32, rounded to bf16 once, as oneDNN's bf16 GEMM):
+  measuring never changes a result beyond rounding.
 - Rows past the last offset (expert parallelism's sentinels, which torch's product leaves unwritten and transformers
   masks) come back as zeros; a group of no rows costs nothing.
-- `HF_PAGED_EXPERT_PRODUCTS=0`: transformers' product always; `=onednn`: oneDNN's wherever it takes the call (tests,
-  comparisons); unset / `auto`: measured.
+- `HF_PAGED_EXPERT_PRODUCTS=0`: transformers' product always; `=onednn` / `=kernel`: that path wherever it takes
+  the call (else oneDNN's for fp32, transformers' for bf16: tests, comparisons); unset / `auto`: measured.
+  `HF_PAGED_EXPERT_GEMM=0`: no input-major kernel (`HF_PAGED_SMALL_GEMM=0`: no few-row kernel).
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ KERNEL_SWITCH = "HF_PAGED_EXPERT_GEMM"  # =0: no native kernel (not built, not a
 SOURCE = Path(__file__).with_name("cpu") / "expert_gemm.c"
 TABLE = trials.Table(BASELINE)
 _original: list = []  # transformers' `_grouped_mm` while the wrapper is installed
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def mode() -> str:
@@ -54,27 +62,31 @@ def mode() -> str:
 
 
 class ExpertGemm:
-    """`expert_gemm_f32` of cpu/expert_gemm.c: every expert's group of rows times its input-major weight."""
+    """`expert_gemm_f32` / `expert_gemm_bf16` of cpu/expert_gemm.c: every expert's group of rows times its
+    input-major weight."""
 
     def __init__(self, path: Path):
-        fn = ctypes.CDLL(str(path)).expert_gemm_f32
+        library = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
-        fn.restype = None
-        self.fn = fn
+        self.fns = {torch.float32: library.expert_gemm_f32, torch.bfloat16: library.expert_gemm_bf16}
+        for fn in self.fns.values():
+            fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+            fn.restype = None
 
     @torch.compiler.disable  # native code through raw pointers: never traced by dynamo
     def __call__(self, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
-        """input [S, k] and weight [E, k, n] fp32 contiguous (n a multiple of 16: `kernel_takes`) -> [S, n]."""
+        """input [S, k] and weight [E, k, n], both fp32 or both bf16, contiguous (n a multiple of 16:
+        `native_product`) -> [S, n] in their dtype; bf16: products and sums in fp32, the result rounded once."""
         count, k = input.shape
         experts, n = weight.shape[0], weight.shape[2]
         ends = offs.to(torch.int64).clamp(0, count).cummax(0).values.contiguous()  # what the kernel may trust
-        out = input.new_empty(count, n)
-        self.fn(input.data_ptr(), weight.data_ptr(), out.data_ptr(), ends.data_ptr(), experts, k, n)
+        rows = input if input.dtype is torch.float32 else input.float()  # bf16 -> fp32: exact
+        out = rows.new_empty(count, n)
+        self.fns[weight.dtype](rows.data_ptr(), weight.data_ptr(), out.data_ptr(), ends.data_ptr(), experts, k, n)
         last = int(ends[-1]) if experts else 0
         if last < count:
             out[last:].zero_()
-        return out
+        return out if input.dtype is torch.float32 else out.to(input.dtype)
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,11 +98,11 @@ def load_expert_gemm() -> ExpertGemm | None:
 
 def native_product(input: torch.Tensor, weight: torch.Tensor):  # noqa: A002 - transformers' name
     """The native candidate for a call `takes` allows (contiguous rows), or None: an input-major weight [E, k, n]
-    stored so (gpt-oss), n a multiple of 16: `expert_gemm`; an output-major one (a view of [E, n, k] stored so:
-    Mixtral, Qwen-MoE) the few-row linear kernel (`small_linear`'s) once per expert."""
+    stored so (gpt-oss), n a multiple of 16: `expert_gemm` (fp32 or bf16); an fp32 output-major one (a view of
+    [E, n, k] stored so: Mixtral, Qwen-MoE) the few-row linear kernel (`small_linear`'s) once per expert."""
     if weight.is_contiguous() and weight.shape[2] % 16 == 0 and weight.shape[2] > 0:
         return load_expert_gemm()
-    if weight.transpose(1, 2).is_contiguous():
+    if weight.dtype is torch.float32 and weight.transpose(1, 2).is_contiguous():
         small = load_small_gemm()
         return functools.partial(_per_expert_small, small) if small is not None else None
     return None
@@ -110,8 +122,9 @@ def _per_expert_small(small, input: torch.Tensor, weight: torch.Tensor, offs: to
 
 
 def takes(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:  # noqa: A002 - transformers' name
-    """Whether oneDNN's path may run `input` [S, k] x `weight` [E, k, n] grouped by `offs` [E] (cumulative ends)."""
-    return (input.dtype is torch.float32 and weight.dtype is torch.float32 and input.is_cpu and weight.is_cpu
+    """Whether another path may run `input` [S, k] x `weight` [E, k, n] grouped by `offs` [E] (cumulative ends):
+    both fp32 or both bf16 (bf16: transformers' product is oneDNN's already; only the kernel is another path)."""
+    return (input.dtype is weight.dtype and weight.dtype in DTYPES and input.is_cpu and weight.is_cpu
             and input.dim() == 2 and weight.dim() == 3 and input.shape[1] == weight.shape[1]
             and offs.dim() == 1 and offs.shape[0] == weight.shape[0] and offs.is_cpu
             and not offs.dtype.is_floating_point
@@ -144,15 +157,19 @@ def grouped(original, input: torch.Tensor, weight: torch.Tensor, offs: torch.Ten
         return original(input, weight, offs=offs)
     rows = input if input.is_contiguous() else input.contiguous()
     kernel = native_product(rows, weight) if switch in ("auto", "kernel") else None
-    if switch == "onednn" or (switch == "kernel" and kernel is None):
-        return per_expert(rows, weight, offs)
-    if switch == "kernel":
+    onednn = weight.dtype is torch.float32  # bf16: transformers' product is oneDNN's
+    if switch == "kernel" and kernel is not None:
         return kernel(rows, weight, offs)
+    if switch != "auto":  # oneDNN's forced, or the kernel's where it does not take the call
+        return per_expert(rows, weight, offs) if onednn else original(input, weight, offs=offs)
+    if kernel is None and not onednn:
+        return original(input, weight, offs=offs)
     count = rows.shape[0]
     bucket = BUCKET_OF[count] if count < len(BUCKET_OF) else many_bucket(count)
     key = (tuple(weight.shape), "kn" if weight.stride(-1) == 1 else "nk", bucket, torch.get_num_threads(),
-           kernel is not None)
-    products = {BASELINE: original, "onednn": per_expert, **({"kernel": kernel} if kernel is not None else {})}
+           kernel is not None, weight.dtype)
+    products = {BASELINE: original, **({"onednn": per_expert} if onednn else {}),
+                **({"kernel": kernel} if kernel is not None else {})}
     name = None if key in TABLE.choices else TABLE.next_call(key, products)
     path = name or TABLE.choices[key].path
     if path == BASELINE:
@@ -219,5 +236,6 @@ def unregister() -> None:
 
 def expert_choices() -> list[dict]:
     """Every choice so far: weight shape and layout, row bucket, threads, path, each candidate's time in us."""
-    return [{"weight": list(k[0]), "layout": k[1], "rows": k[2], "threads": k[3], "kernel": k[4], "path": c.path,
+    return [{"weight": list(k[0]), "dtype": str(k[5]).replace("torch.", ""), "layout": k[1], "rows": k[2],
+             "threads": k[3], "kernel": k[4], "path": c.path,
              "us": {n: round(s * 1e6, 1) for n, s in c.seconds.items()}} for k, c in list(TABLE.choices.items())]

@@ -1,10 +1,11 @@
-/* A mixture's fp32 expert products for CPUs, with each expert's weight stored input-major, as gpt-oss keeps them
+/* A mixture's expert products for CPUs, with each expert's weight stored input-major, as gpt-oss keeps them
  * ([experts, in, out]): y[i, :] = x[i, :] . w[e] for the rows i of expert e's group.
  *
- * x:    [S, k] contiguous, sorted by expert (transformers' grouped experts sort them so)
- * w:    [E, k, n] contiguous
+ * x:    [S, k] fp32 contiguous, sorted by expert (transformers' grouped experts sort them so)
+ * w:    [E, k, n] contiguous, fp32 (expert_gemm_f32) or bf16 (expert_gemm_bf16: each weight widened exactly to fp32
+ *       in registers, the products and sums in fp32, as oneDNN's bf16 GEMM sums; the caller rounds y to bf16)
  * ends: [E] cumulative group ends: expert e takes rows ends[e-1] .. ends[e] - 1 (ends[-1] = 0), at most S
- * y:    [S, n] contiguous; rows past the last end are left to the caller
+ * y:    [S, n] fp32 contiguous; rows past the last end are left to the caller
  * n:    a multiple of 16
  *
  * BLAS sgemm with such a (non-transposed) B of a handful of rows runs far below both the memory bandwidth and the
@@ -21,16 +22,35 @@
 #include <stdint.h>
 #include <string.h>
 
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t ivec16 __attribute__((vector_size(64)));
+typedef uint16_t hvec16 __attribute__((vector_size(32), aligned(2)));
+
+/* 16 fp32 weights: read as they are, or (bf16 weights) 16 bf16 values widened exactly (a bf16 is an fp32's top half). */
+ALWAYS_INLINE vec16 load_f32(const float *p) {
+    vec16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+ALWAYS_INLINE vec16 load_bf16(const uint16_t *p) {
+    hvec16 h;
+    memcpy(&h, p, sizeof h);
+    const ivec16 bits = __builtin_convertvector(h, ivec16) << 16;
+    vec16 v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
 
 #define ROWS 6       /* rows of x per pass: ROWS x 4 accumulators + 4 weight vectors + 1 broadcast <= 32 registers */
 #define K_BLOCK 256  /* inputs summed per partial sum: the rounding error grows with K_BLOCK + k / K_BLOCK, not k */
 #define PREFETCH 32  /* panel rows ahead */
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* `rows` (1..ROWS, a constant at each call) rows of x from `x` times the panel w[:, 0 : 16 * VECS] -> y. */
-#define DEFINE_PASS(NAME, VECS)                                                                                     \
-    ALWAYS_INLINE void NAME(const float *restrict x, const float *restrict w, float *restrict y, int64_t k,        \
+#define DEFINE_PASS(NAME, VECS, W, LOAD)                                                                            \
+    ALWAYS_INLINE void NAME(const float *restrict x, const W *restrict w, float *restrict y, int64_t k,            \
                             int64_t n, const int rows, const int prefetch) {                                      \
         vec16 total[ROWS][VECS];                                                                                   \
         memset(total, 0, sizeof total);                                                                            \
@@ -39,11 +59,11 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4)));
             vec16 acc[ROWS][VECS];                                                                                 \
             memset(acc, 0, sizeof acc);                                                                            \
             for (int64_t kk = k0; kk < k1; ++kk) {                                                                 \
-                const float *wk = w + kk * n;                                                                      \
+                const W *wk = w + kk * n;                                                                          \
                 if (prefetch && kk + PREFETCH < k)                                                                 \
                     for (int h = 0; h < VECS; ++h) __builtin_prefetch(wk + PREFETCH * n + 16 * h, 0, 2);          \
                 vec16 wv[VECS];                                                                                    \
-                for (int h = 0; h < VECS; ++h) memcpy(&wv[h], wk + 16 * h, sizeof(vec16));                         \
+                for (int h = 0; h < VECS; ++h) wv[h] = LOAD(wk + 16 * h);                                          \
                 for (int r = 0; r < rows; ++r) {                                                                   \
                     const float s = x[r * k + kk];                                                                 \
                     for (int h = 0; h < VECS; ++h) acc[r][h] += s * wv[h];                                         \
@@ -56,41 +76,49 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4)));
             for (int h = 0; h < VECS; ++h) memcpy(y + r * n + 16 * h, &total[r][h], sizeof(vec16));               \
     }
 
-DEFINE_PASS(pass64, 4)
-DEFINE_PASS(pass16, 1)
-
 /* One tile: the group's `m` rows from x (y) times the panel of `vecs` (4 or 1) vectors at w (rows n apart). */
-static void tile(const float *restrict x, const float *restrict w, float *restrict y, int64_t m, int64_t k, int64_t n,
-                 int vecs) {
-    for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
-        const int64_t left = m - r0;
-        const int prefetch = r0 == 0;
-        const float *xr = x + r0 * k;
-        float *yr = y + r0 * n;
-#define CASE(R)                                                                                                    \
+#define DEFINE_TILE(NAME, W, LOAD)                                                                                  \
+    DEFINE_PASS(NAME##_64, 4, W, LOAD)                                                                             \
+    DEFINE_PASS(NAME##_16, 1, W, LOAD)                                                                             \
+    static void NAME(const float *restrict x, const W *restrict w, float *restrict y, int64_t m, int64_t k,        \
+                     int64_t n, int vecs) {                                                                        \
+        for (int64_t r0 = 0; r0 < m; r0 += ROWS) {                                                                 \
+            const int64_t left = m - r0;                                                                           \
+            const int prefetch = r0 == 0;                                                                          \
+            const float *xr = x + r0 * k;                                                                          \
+            float *yr = y + r0 * n;                                                                                \
+            switch (left < ROWS ? (int)left : ROWS) {                                                              \
+                CASE(NAME, 1) CASE(NAME, 2) CASE(NAME, 3) CASE(NAME, 4) CASE(NAME, 5) CASE(NAME, 6)                \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+#define CASE(NAME, R)                                                                                              \
     case R:                                                                                                        \
         if (vecs == 4)                                                                                             \
-            pass64(xr, w, yr, k, n, R, prefetch);                                                                  \
+            NAME##_64(xr, w, yr, k, n, R, prefetch);                                                               \
         else                                                                                                       \
-            pass16(xr, w, yr, k, n, R, prefetch);                                                                  \
+            NAME##_16(xr, w, yr, k, n, R, prefetch);                                                               \
         break;
-        switch (left < ROWS ? (int)left : ROWS) {
-            CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6)
-        }
-#undef CASE
-    }
-}
 
-void expert_gemm_f32(const float *restrict x, const float *restrict w, float *restrict y,
-                     const int64_t *restrict ends, int64_t experts, int64_t k, int64_t n) {
-    const int64_t wide = n / 64, tiles = wide + (n - wide * 64) / 16; /* per expert: 64-column tiles, then 16s */
-    const int64_t items = experts * tiles;
-#pragma omp parallel for schedule(dynamic, 4)
-    for (int64_t item = 0; item < items; ++item) {
-        const int64_t e = item / tiles, t = item % tiles;
-        const int64_t start = e ? ends[e - 1] : 0, end = ends[e];
-        if (end <= start) continue;
-        const int64_t col = t < wide ? t * 64 : wide * 64 + (t - wide) * 16;
-        tile(x + start * k, w + e * k * n + col, y + start * n + col, end - start, k, n, t < wide ? 4 : 1);
+DEFINE_TILE(tile_f32, float, load_f32)
+DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
+
+/* Every (expert, column tile) of the grouped product, spread over the threads. */
+#define DEFINE_GROUPED(NAME, W, TILE)                                                                               \
+    void NAME(const float *restrict x, const W *restrict w, float *restrict y, const int64_t *restrict ends,       \
+              int64_t experts, int64_t k, int64_t n) {                                                             \
+        const int64_t wide = n / 64, tiles = wide + (n - wide * 64) / 16; /* per expert: 64 columns, then 16s */   \
+        const int64_t items = experts * tiles;                                                                     \
+        _Pragma("omp parallel for schedule(dynamic, 4)")                                                           \
+        for (int64_t item = 0; item < items; ++item) {                                                             \
+            const int64_t e = item / tiles, t = item % tiles;                                                      \
+            const int64_t start = e ? ends[e - 1] : 0, end = ends[e];                                              \
+            if (end <= start) continue;                                                                            \
+            const int64_t col = t < wide ? t * 64 : wide * 64 + (t - wide) * 16;                                   \
+            TILE(x + start * k, w + e * k * n + col, y + start * n + col, end - start, k, n, t < wide ? 4 : 1);    \
+        }                                                                                                          \
     }
-}
+
+DEFINE_GROUPED(expert_gemm_f32, float, tile_f32)
+DEFINE_GROUPED(expert_gemm_bf16, uint16_t, tile_bf16)
+

@@ -135,7 +135,11 @@ def test_outside_an_engines_forward_transformers_product_runs(monkeypatch):
     assert hasattr(moe._grouped_mm, "hf_paged_original")
 
 
-@pytest.mark.parametrize("case", ["bf16", "grad", "autocast", "no_onednn", "switch_off"])
+class Wrapped(torch.Tensor):
+    """A tensor subclass standing for a quantized weight or a DTensor shard: its storage is not its values."""
+
+
+@pytest.mark.parametrize("case", ["bf16", "grad", "autocast", "no_onednn", "switch_off", "subclass", "compiling"])
 def test_calls_the_other_paths_do_not_take_run_transformers_product(monkeypatch, inside_engine, case):
     ran = []
     monkeypatch.setattr(X, "per_expert", lambda *a: ran.append(1) or torch.zeros(1))
@@ -146,6 +150,10 @@ def test_calls_the_other_paths_do_not_take_run_transformers_product(monkeypatch,
     if case == "grad":
         weight.requires_grad_(True)
     want = torch._grouped_mm(rows, weight, offs=ends)
+    if case == "subclass":
+        weight = weight.as_subclass(Wrapped)
+    if case == "compiling":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     if case == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             moe._grouped_mm(rows, weight, offs=ends)

@@ -18,9 +18,10 @@ the model's own forwards.
 Invariants:
 - While hf_paged is enabled transformers' `_grouped_mm` is one wrapper (`register` / `unregister`, from
   `model.register()`), which runs transformers' own function unless the running thread is inside an engine's forward
-  (`ExpertProducts.active`: `THIS_THREAD.experts`) and the call is one another path takes (`takes`: fp32 or bf16
-  CPU tensors, no gradient wanted, no autocast, oneDNN enabled). A plain forward, a training step, another thread,
-  anything after `disable()` computes exactly as without hf_paged.
+  (`ExpertProducts.active`: `THIS_THREAD.experts`) and the call is one another path takes (`takes`: plain fp32 or
+  bf16 CPU tensors, not a DTensor or a quantized subclass, no gradient wanted, no autocast, oneDNN enabled). A plain
+  forward, a training step, another thread, a compiled graph (traced as transformers' own), anything after
+  `disable()` computes exactly as without hf_paged.
 - The same sums as transformers' product in another order (oneDNN's fp32 math is strict unless torch's float32
   matmul precision allows less; bf16: exact products summed in fp32, rounded to bf16 once, as oneDNN's bf16 GEMM):
   measuring never changes a result beyond rounding.
@@ -124,13 +125,19 @@ def _per_expert_small(small, input: torch.Tensor, weight: torch.Tensor, offs: to
 def takes(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:  # noqa: A002 - transformers' name
     """Whether another path may run `input` [S, k] x `weight` [E, k, n] grouped by `offs` [E] (cumulative ends):
     both fp32 or both bf16 (bf16: transformers' product is oneDNN's already; only the kernel is another path)."""
-    return (input.dtype is weight.dtype and weight.dtype in DTYPES and input.is_cpu and weight.is_cpu
+    return (_plain(input) and _plain(weight) and _plain(offs)
+            and input.dtype is weight.dtype and weight.dtype in DTYPES and input.is_cpu and weight.is_cpu
             and input.dim() == 2 and weight.dim() == 3 and input.shape[1] == weight.shape[1]
             and offs.dim() == 1 and offs.shape[0] == weight.shape[0] and offs.is_cpu
             and not offs.dtype.is_floating_point
             and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
             and not torch.is_autocast_enabled("cpu") and onednn_linear.available()
             and torch._C._get_mkldnn_enabled())
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """A tensor whose storage holds its values as they read (not a DTensor shard, not a quantized subclass)."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter) and type(tensor.data) is torch.Tensor
 
 
 def per_expert(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
@@ -150,7 +157,7 @@ def per_expert(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) ->
 
 def grouped(original, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
     """What transformers' `_grouped_mm` wrapper runs (module invariants)."""
-    if not THIS_THREAD.experts or not takes(input, weight, offs):
+    if torch.compiler.is_compiling() or not THIS_THREAD.experts or not takes(input, weight, offs):
         return original(input, weight, offs=offs)
     switch = mode()
     if switch == "off":

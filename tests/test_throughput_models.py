@@ -17,6 +17,23 @@ def test_workload():
     for arch, (full, small) in throughput_models.MIXED_SETUPS.items():
         assert throughput.workload(arch, False) is full and throughput.workload(arch, True) is small
         assert full["model"]["layers"] == len(full["model"]["layer_types"]) and full["prompt_len"] == (16, 200)
+    full, small = throughput_models.MOE_SETUPS["mixtral"]
+    assert throughput.workload("mixtral", False) is full and throughput.workload("mixtral", True) is small
+    assert full["prompt_len"] == (16, 200) and full["model"]["hidden"] == 512 and full["model"]["layers"] == 8
+
+
+def test_the_mixture_stores_its_experts_output_major(restore):
+    """--arch mixtral: 8 experts of [out, in] (the layout transformers hands to the grouped product transposed), 2
+    per token; hf_paged gives HF padded generate's tokens."""
+    setup = dict(throughput.workload("mixtral", True), prompt_len=(8, 40))
+    model = throughput.build_model("mixtral", setup["model"])
+    experts = [m for m in model.modules() if type(m).__name__ == "MixtralExperts"]
+    assert model.config.model_type == "mixtral" and len(experts) == 2 and not experts[0].is_transposed
+    assert experts[0].gate_up_proj.shape == (4, 2 * 128, 128) and model.config.num_experts_per_tok == 2
+    args = SimpleNamespace(arch="mixtral", dtype="float32", max_tokens=3)
+    paged = throughput.measure("hf_paged", 2, args, setup, 1)
+    padded = throughput.measure("hf_padded", 2, args, setup, 1)
+    assert paged["tokens"] == padded["tokens"] and [len(t) for t in paged["tokens"]] == [3, 3]
 
 
 @pytest.mark.parametrize("arch", list(throughput_models.MIXED_SETUPS))

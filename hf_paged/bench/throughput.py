@@ -16,8 +16,9 @@ attention, 8 heads / 2 KV heads of 64, linear attention 4 key / 8 value heads of
 default systems there are hf_paged and hf_padded. `--arch gemma3_text | gemma2 | gpt_oss`: a stack mixing
 sliding-window and full-attention layers in that family's pattern (gemma 3: 5 sliding : 1 full, window 512, head dim
 256; gemma 2: alternating, window 4096, soft-capped scores and logits, head dim 256; gpt-oss: alternating, window
-128, attention sinks, 8 experts, 2 per token), sizes near the Llama's (bench/throughput_models.py); default systems
-hf_paged and hf_padded.
+128, attention sinks, 8 experts, 2 per token), sizes near the Llama's (bench/throughput_models.py); `--arch mixtral`:
+the Llama's sizes with a mixture of 8 experts (2 per token, stored output-major as Mixtral and Qwen-MoE store them);
+default systems hf_paged and hf_padded.
 
 Workload: random-weight Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1376, vocab 32000,
 fp32, sdpa), prompts of 16-200 random tokens (seed 0), `--max-tokens` new tokens each, greedy, EOS ignored.
@@ -304,7 +305,8 @@ def parse_args(argv: list[str] | None):
                         help="default: all three (hf_paged and hf_padded for a hybrid --arch; with --small, "
                              "generate_batch sized to the workload)")
     parser.add_argument("--arch", choices=ARCHS, default="llama",
-                        help="the random model: Llama, or a hybrid or sliding / full stack of that family's shape "
+                        help="the random model: Llama, or a hybrid, a sliding / full stack or a mixture of experts "
+                             "of that family's shape "
                              "(default: %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the model's dtype for every system (bfloat16: greedy tokens may part from HF's on "

@@ -1,6 +1,7 @@
 """The throughput benchmark's random models (`--arch`) and their workloads: the standard Llama, a hybrid of a
 family's shape (Gated DeltaNet + attention: `qwen3_5_text`), and stacks that mix sliding-window and full-attention
-layers in their family's own pattern (`gemma3_text`, `gemma2`, `gpt_oss`), each with `--small` sizes for smoke runs.
+layers in their family's own pattern (`gemma3_text`, `gemma2`, `gpt_oss`), a mixture of experts stored output-major
+(`mixtral`), each with `--small` sizes for smoke runs.
 
 Invariants:
 - Every arch runs the same prompts (16-200 random tokens, seed SEED) and new-token counts; only the model differs.
@@ -58,14 +59,22 @@ MIXED_SETUPS = {
         dict(vocab_size=1000, hidden=128, heads=4, kv_heads=2, max_len=1024, window=128, head_dim=32,
              intermediate_size=128, num_local_experts=4, num_experts_per_tok=2, layer_types=_ALTERNATING * 2)),
 }
-ARCHS = ("llama", *HYBRID_SETUPS, *MIXED_SETUPS)
+# a mixture of experts stored output-major ([experts, out, in]: Mixtral, Qwen-MoE), full attention, 8 experts, 2 per
+# token, the gpt-oss setup's expert sizes
+MOE_SETUPS = {
+    "mixtral": (dict(FULL, model=dict(FULL["model"], intermediate_size=512, num_local_experts=8,
+                                      num_experts_per_tok=2)),
+                dict(SMALL, model=dict(SMALL["model"], intermediate_size=128, num_local_experts=4,
+                                       num_experts_per_tok=2))),
+}
+ARCHS = ("llama", *HYBRID_SETUPS, *MIXED_SETUPS, *MOE_SETUPS)
 
 
 def workload(arch: str, small: bool) -> dict:
     """The model sizes, prompt lengths and default counts of one run."""
     if arch == "llama":
         return SMALL if small else FULL
-    setups = HYBRID_SETUPS if arch in HYBRID_SETUPS else MIXED_SETUPS
+    setups = next(group for group in (HYBRID_SETUPS, MIXED_SETUPS, MOE_SETUPS) if arch in group)
     return setups[arch][1 if small else 0]
 
 
@@ -73,8 +82,8 @@ def build_model(arch: str, sizes: dict):
     """The benchmark's random model (seed SEED, output head not sharpened) of `arch` with `sizes` (a setup's model)."""
     from hf_paged.tiny import tiny_hybrid, tiny_mixed, tiny_model
 
-    if arch == "llama":
-        return tiny_model("llama", seed=SEED, sharpen=1.0, **sizes)
+    if arch == "llama" or arch in MOE_SETUPS:
+        return tiny_model(arch, seed=SEED, sharpen=1.0, **sizes)
     rest = dict(sizes)
     generic = {name: rest.pop(key) for key, name in (("vocab_size", "vocab_size"), ("hidden", "hidden"),
                ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"))}

@@ -88,6 +88,28 @@ def test_the_bf16_kernel_rounds_its_fp32_sums_once():
     assert (out[:21] != torch_out).double().mean() < 0.01
 
 
+@pytest.mark.parametrize("k, path", [(96, "pairs"), (48, "widened"), (96, "widened")])
+def test_the_bf16_output_major_kernels_round_their_fp32_sums_once(k, path):
+    """Output-major bf16 weights (a view of [E, n, k]): dot products along k, widened (k a multiple of 16) or, with
+    avx512_bf16, in pairs (k a multiple of 32); as the input-major kernel, each output within one bf16 spacing of the
+    exact product, rarely apart from torch's; n not a multiple of the 4-output tile."""
+    kernel = X.load_expert_gemm()
+    if kernel is None or (path == "pairs" and kernel.pairs_fn is None):
+        pytest.skip("no C compiler" if kernel is None else "no avx512_bf16")
+    rows, weight, ends = grouped_inputs([5, 0, 7, 2, 3], k, 38, input_major=False, extra_rows=2)
+    rows, weight = rows.bfloat16(), weight.transpose(1, 2).contiguous().bfloat16().transpose(1, 2)
+    if path == "widened" and k % 32 == 0:  # what a CPU without avx512_bf16 runs
+        out = kernel._run(kernel.dot_fn, rows, weight, ends)
+    else:  # the dispatch: pairs where it may, widened for k = 48
+        out = kernel.dot(rows, weight, ends)
+    assert out.dtype is torch.bfloat16 and torch.equal(out[17:], torch.zeros(2, 38, dtype=torch.bfloat16))
+    exact = reference(rows, weight, ends)[:17]
+    spacing = torch.pow(2.0, torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    assert bool(((out[:17].double() - exact).abs() <= spacing).all())
+    assert (out[:17] != torch._grouped_mm(rows, weight, offs=ends)[:17]).double().mean() < 0.02
+    assert X.native_product(rows, weight) == kernel.dot
+
+
 def test_a_malformed_end_cannot_send_the_kernel_past_the_rows():
     """Ends past the rows or going back are clamped before the kernel reads them (what the kernel may trust). One
     thread: groups then run in order, so a later group overlapping an earlier one (an end going back) would show."""
@@ -157,7 +179,7 @@ def test_calls_the_other_paths_do_not_take_run_transformers_product(monkeypatch,
     if case == "autocast":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             moe._grouped_mm(rows, weight, offs=ends)
-    elif case == "no_onednn":
+    elif case == "no_onednn":  # forced onto oneDNN's path while oneDNN is off: transformers' (the kernel may run)
         with torch.backends.mkldnn.flags(enabled=False):
             assert torch.equal(moe._grouped_mm(rows, weight, offs=ends), want)
     else:
@@ -209,9 +231,11 @@ def assert_hfs_tokens(llm, model, prompts, new):
         assert list(out.outputs[0].token_ids) == want[0, len(prompt):].tolist()
 
 
-def test_a_bf16_engine_on_the_kernel_gives_the_tokens_of_transformers_product(monkeypatch):
-    """bf16 gpt-oss (input-major experts): forced onto the kernel, the same greedy tokens as with transformers'
-    product in the same engine (bf16 hf_paged parts from HF's bf16 generate on its float32 attention sums: probe)."""
+@pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
+def test_a_bf16_engine_on_the_kernel_gives_the_tokens_of_transformers_product(monkeypatch, arch):
+    """bf16 gpt-oss (input-major experts) and Mixtral (output-major): forced onto the kernel, the same greedy tokens
+    as with transformers' product in the same engine (bf16 hf_paged parts from HF's bf16 generate on its float32
+    attention sums: probe)."""
     calls = []
     function = X.native_product
 
@@ -219,7 +243,7 @@ def test_a_bf16_engine_on_the_kernel_gives_the_tokens_of_transformers_product(mo
         kernel = function(*args)
         return None if kernel is None else lambda *a: calls.append(1) or kernel(*a)
     monkeypatch.setattr(X, "native_product", counted)
-    model = tiny_mixed("gpt_oss", head_dim=16).to(torch.bfloat16)
+    model = (tiny_mixed("gpt_oss", head_dim=16) if arch == "gpt_oss" else tiny_model("mixtral")).to(torch.bfloat16)
     prompts = [[(5 * i) % 200 + 3 for i in range(50)], [5, 9, 13, 2, 7, 11, 3, 8, 21, 4, 6, 30, 2, 9], [4, 4, 9]]
     params = hf_paged.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     tokens = {}

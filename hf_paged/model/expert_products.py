@@ -2,24 +2,26 @@
 transformers' own grouped product, oneDNN's GEMM once per expert, or a native kernel.
 
 transformers runs the experts of its mixture-of-experts models (gpt-oss, Qwen3-MoE, Mixtral, ...: the classes under
-`use_experts_implementation`, whose default implementation is "grouped_mm") through `integrations.moe._grouped_mm`:
-rows sorted by expert, one product per expert over its group of rows. On a CPU that is `torch._grouped_mm`, one
-`mm` per expert: fp32 through MKL, which on an AMD EPYC (Zen 5, issue 27) runs its AVX2 code and, for a handful of
-rows per expert, far below both the FMA rate and the memory bandwidth; bf16 through oneDNN. Candidates:
-transformers' product ("grouped_mm", the baseline); for fp32, oneDNN's GEMM once per expert ("onednn": 1.4x at 16
-rows per expert, 2x at hundreds, weights in cache); and "kernel": for weights stored input-major ([E, k, n], gpt-oss)
-`cpu/expert_gemm.c` (each weight row loaded once per six rows of the group; fp32 2.4x at 16 rows, 2x at 256; bf16
-weights widened in registers: 1.8x at 1-2 rows, a loss from 64 on, where oneDNN's bf16 instructions win), for fp32
-weights stored output-major (a view of [E, n, k]: Mixtral, Qwen-MoE) the few-row linear kernel of `small_linear` once
-per expert. Nothing is assumed: in an engine's forward each grouped product is a choice (`TABLE`, a `trials.Table`)
-among them per weight shape, dtype and layout, row bucket and thread count, timed on the first calls of each key in
-the model's own forwards.
+`use_experts_implementation`, whose default implementation is "grouped_mm") through `integrations.moe._grouped_mm`: rows
+sorted by expert, one product per expert over its group of rows. On a CPU that is `torch._grouped_mm`, one `mm` per
+expert: fp32 through MKL, which on an AMD EPYC (Zen 5, issue 27) runs its AVX2 code and, for a handful of rows per
+expert, far below both the FMA rate and the memory bandwidth; bf16 through oneDNN. Candidates: transformers' product
+("grouped_mm", the baseline); for fp32, oneDNN's GEMM once per expert ("onednn": 1.4x at 16 rows per expert, 2x at
+hundreds, weights in cache); and "kernel": for weights stored input-major ([E, k, n], gpt-oss) `cpu/expert_gemm.c` (each
+weight row loaded once per six rows of the group; fp32 2.4x at 16 rows, 2x at 256; bf16 weights widened in registers:
+1.8x at 1-2 rows, a loss from 64 on, where oneDNN's bf16 instructions win); for weights stored output-major (a view of
+[E, n, k]: Mixtral, Qwen-MoE) fp32: the few-row linear kernel of `small_linear` once per expert, bf16: dot products
+along k in `cpu/expert_gemm.c` (with avx512_bf16, pairs of bf16 in one instruction; in the benchmark's decode steps 2-3x
+transformers' product at 8-16 rows per expert, a loss at prefill sizes). Nothing is assumed: in an engine's forward each
+grouped product is a choice (`TABLE`, a `trials.Table`) among them per weight shape, dtype and layout, row bucket and
+thread count, timed on the first calls of each key in the model's own forwards.
 
 Invariants:
 - While hf_paged is enabled transformers' `_grouped_mm` is one wrapper (`register` / `unregister`, from
   `model.register()`), which runs transformers' own function unless the running thread is inside an engine's forward
   (`ExpertProducts.active`: `THIS_THREAD.experts`) and the call is one another path takes (`takes`: plain fp32 or
-  bf16 CPU tensors, not a DTensor or a quantized subclass, no gradient wanted, no autocast, oneDNN enabled). A plain
+  bf16 CPU tensors, not a DTensor or a quantized subclass, no gradient wanted, no autocast; oneDNN's path: oneDNN
+  enabled, `HF_PAGED_ONEDNN_LINEARS` not 0). A plain
   forward, a training step, another thread, a compiled graph (traced as transformers' own), anything after
   `disable()` computes exactly as without hf_paged.
 - The same sums as transformers' product in another order (oneDNN's fp32 math is strict unless torch's float32
@@ -63,27 +65,44 @@ def mode() -> str:
 
 
 class ExpertGemm:
-    """`expert_gemm_f32` / `expert_gemm_bf16` of cpu/expert_gemm.c: every expert's group of rows times its
-    input-major weight."""
+    """cpu/expert_gemm.c: every expert's group of rows times its weight, stored input-major ([E, k, n]: `__call__`,
+    fp32 or bf16) or, bf16, output-major ([E, n, k], handed over as its transposed view: `dot`)."""
 
     def __init__(self, path: Path):
         library = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self.fns = {torch.float32: library.expert_gemm_f32, torch.bfloat16: library.expert_gemm_bf16}
-        for fn in self.fns.values():
-            fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
-            fn.restype = None
+        self.dot_fn = library.expert_dot_bf16
+        try:  # built only where the CPU has avx512_bf16
+            self.pairs_fn = library.expert_dot_bf16_pairs
+        except AttributeError:
+            self.pairs_fn = None
+        for fn in (*self.fns.values(), self.dot_fn, self.pairs_fn):
+            if fn is not None:
+                fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+                fn.restype = None
 
-    @torch.compiler.disable  # native code through raw pointers: never traced by dynamo
     def __call__(self, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
         """input [S, k] and weight [E, k, n], both fp32 or both bf16, contiguous (n a multiple of 16:
         `native_product`) -> [S, n] in their dtype; bf16: products and sums in fp32, the result rounded once."""
+        return self._run(self.fns[weight.dtype], input, weight, offs)
+
+    def dot(self, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        """input [S, k] bf16 contiguous, weight [E, k, n] bf16 the transposed view of a contiguous [E, n, k] (k a
+        multiple of 16: `native_product`) -> [S, n] bf16: products and sums in fp32, the result rounded once."""
+        if self.pairs_fn is not None and input.shape[1] % 32 == 0:  # avx512_bf16: pairs in one instruction
+            return self._run(self.pairs_fn, input, weight, offs, widen=False)
+        return self._run(self.dot_fn, input, weight, offs)
+
+    @torch.compiler.disable  # native code through raw pointers: never traced by dynamo
+    def _run(self, fn, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,  # noqa: A002
+             widen: bool = True) -> torch.Tensor:
         count, k = input.shape
         experts, n = weight.shape[0], weight.shape[2]
         ends = offs.to(torch.int64).clamp(0, count).cummax(0).values.contiguous()  # what the kernel may trust
-        rows = input if input.dtype is torch.float32 else input.float()  # bf16 -> fp32: exact
-        out = rows.new_empty(count, n)
-        self.fns[weight.dtype](rows.data_ptr(), weight.data_ptr(), out.data_ptr(), ends.data_ptr(), experts, k, n)
+        rows = input if input.dtype is torch.float32 or not widen else input.float()  # bf16 -> fp32: exact
+        out = input.new_empty(count, n, dtype=torch.float32)
+        fn(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), ends.data_ptr(), experts, k, n)
         last = int(ends[-1]) if experts else 0
         if last < count:
             out[last:].zero_()
@@ -99,11 +118,17 @@ def load_expert_gemm() -> ExpertGemm | None:
 
 def native_product(input: torch.Tensor, weight: torch.Tensor):  # noqa: A002 - transformers' name
     """The native candidate for a call `takes` allows (contiguous rows), or None: an input-major weight [E, k, n]
-    stored so (gpt-oss), n a multiple of 16: `expert_gemm` (fp32 or bf16); an fp32 output-major one (a view of
-    [E, n, k] stored so: Mixtral, Qwen-MoE) the few-row linear kernel (`small_linear`'s) once per expert."""
+    stored so (gpt-oss), n a multiple of 16: `expert_gemm` (fp32 or bf16); an output-major one (a view of [E, n, k]
+    stored so: Mixtral, Qwen-MoE): bf16, k a multiple of 16, `expert_dot_bf16`; fp32, the few-row linear kernel
+    (`small_linear`'s) once per expert."""
     if weight.is_contiguous() and weight.shape[2] % 16 == 0 and weight.shape[2] > 0:
         return load_expert_gemm()
-    if weight.dtype is torch.float32 and weight.transpose(1, 2).is_contiguous():
+    if not weight.transpose(1, 2).is_contiguous():
+        return None
+    if weight.dtype is torch.bfloat16:
+        kernel = load_expert_gemm()
+        return kernel.dot if kernel is not None and weight.shape[1] % 16 == 0 and weight.shape[1] > 0 else None
+    if weight.dtype is torch.float32:
         small = load_small_gemm()
         return functools.partial(_per_expert_small, small) if small is not None else None
     return None
@@ -131,8 +156,7 @@ def takes(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool
             and offs.dim() == 1 and offs.shape[0] == weight.shape[0] and offs.is_cpu
             and not offs.dtype.is_floating_point
             and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
-            and not torch.is_autocast_enabled("cpu") and onednn_linear.available()
-            and torch._C._get_mkldnn_enabled())
+            and not torch.is_autocast_enabled("cpu"))
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -164,7 +188,8 @@ def grouped(original, input: torch.Tensor, weight: torch.Tensor, offs: torch.Ten
         return original(input, weight, offs=offs)
     rows = input if input.is_contiguous() else input.contiguous()
     kernel = native_product(rows, weight) if switch in ("auto", "kernel") else None
-    onednn = weight.dtype is torch.float32  # bf16: transformers' product is oneDNN's
+    onednn = (weight.dtype is torch.float32  # bf16: transformers' product is oneDNN's
+              and onednn_linear.available() and torch._C._get_mkldnn_enabled())
     if switch == "kernel" and kernel is not None:
         return kernel(rows, weight, offs)
     if switch != "auto":  # oneDNN's forced, or the kernel's where it does not take the call

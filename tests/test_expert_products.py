@@ -271,3 +271,38 @@ def test_engines_give_hfs_tokens_on_every_path(monkeypatch, arch, path):
     assert ("per_expert" if path == "onednn" else "native_product") in calls
     rows, weight, ends = grouped_inputs([2, 3], 16, 32)
     assert torch.equal(moe._grouped_mm(rows, weight, offs=ends), torch._grouped_mm(rows, weight, offs=ends))
+
+
+@pytest.mark.parametrize("dtype, input_major", [(torch.float32, True), (torch.bfloat16, True),
+                                                (torch.bfloat16, False)])
+def test_the_kernels_give_the_same_bits_on_any_thread_count(dtype, input_major):
+    """Each output's sum has one order whichever thread computes its tile: 1 and 2 torch threads agree bit for
+    bit (the kernels run on the caller's torch thread count)."""
+    kernel = X.load_expert_gemm()
+    if kernel is None:
+        pytest.skip("no C compiler")
+    rows, weight, ends = grouped_inputs([9, 0, 14, 3, 7], 64, 144, input_major)
+    rows, weight = rows.to(dtype), weight.to(dtype)
+    run = X.native_product(rows, weight)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outs.append(run(rows, weight, ends))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_a_call_the_wrapper_was_not_written_for_goes_to_transformers(monkeypatch, inside_engine):
+    """Without offsets, or with keywords transformers' function may take in a later version: transformers' own (here
+    its own error for an unknown keyword), never another path."""
+    ran = []
+    monkeypatch.setattr(X, "grouped", lambda *a: ran.append(1))
+    rows, weight, ends = grouped_inputs([2, 3], 16, 32)
+    with pytest.raises(TypeError):
+        moe._grouped_mm(rows, weight, offs=ends, later_keyword=1)
+    assert not ran
+    moe._grouped_mm(rows, weight, offs=ends)
+    assert ran == [1]

@@ -79,7 +79,7 @@ class ExpertGemm:
             self.pairs_fn = None
         for fn in (*self.fns.values(), self.dot_fn, self.pairs_fn):
             if fn is not None:
-                fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+                fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64]
                 fn.restype = None
 
     def __call__(self, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
@@ -102,7 +102,8 @@ class ExpertGemm:
         ends = offs.to(torch.int64).clamp(0, count).cummax(0).values.contiguous()  # what the kernel may trust
         rows = input if input.dtype is torch.float32 or not widen else input.float()  # bf16 -> fp32: exact
         out = input.new_empty(count, n, dtype=torch.float32)
-        fn(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), ends.data_ptr(), experts, k, n)
+        fn(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), ends.data_ptr(), experts, k, n,
+           torch.get_num_threads())
         last = int(ends[-1]) if experts else 0
         if last < count:
             out[last:].zero_()
@@ -248,7 +249,9 @@ def register() -> bool:
         return False
 
     @functools.wraps(original)
-    def _grouped_mm(input, weight, offs):  # noqa: A002 - transformers' names
+    def _grouped_mm(input, weight, offs=None, **more):  # noqa: A002 - transformers' names
+        if offs is None or more:  # a call this wrapper was not written for: transformers' own
+            return original(input, weight, offs=offs, **more)
         return grouped(original, input, weight, offs)
 
     _grouped_mm.hf_paged_original = original

@@ -14,8 +14,8 @@
  * and multiplies it by up to ROWS rows' x[i][kk] (broadcast), ROWS x 4 accumulators in registers; the next ROWS rows
  * of the group read the same column panel (k x 64 floats) again, from L2. The first pass prefetches the panel's
  * rows PREFETCH inputs ahead (a constant stride the hardware may not follow across 4 KiB pages). A 16-column tile
- * takes an output width that is no multiple of 64. Tiles (expert, column tile) are spread over OpenMP threads (the
- * libgomp torch loaded, one pool).
+ * takes an output width that is no multiple of 64. Tiles (expert, column tile) are spread over `threads` OpenMP
+ * threads (the caller's torch thread count; the libgomp torch loaded, one pool).
  *
  * Every output is summed over kk in order in blocks of K_BLOCK, the blocks' partial sums then added: only the order
  * of the floating-point sums differs from BLAS's. */
@@ -106,10 +106,10 @@ DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
 /* Every (expert, column tile) of the grouped product, spread over the threads. */
 #define DEFINE_GROUPED(NAME, W, TILE)                                                                               \
     void NAME(const float *restrict x, const W *restrict w, float *restrict y, const int64_t *restrict ends,       \
-              int64_t experts, int64_t k, int64_t n) {                                                             \
+              int64_t experts, int64_t k, int64_t n, int64_t threads) {                                                             \
         const int64_t wide = n / 64, tiles = wide + (n - wide * 64) / 16; /* per expert: 64 columns, then 16s */   \
         const int64_t items = experts * tiles;                                                                     \
-        _Pragma("omp parallel for schedule(dynamic, 4)")                                                           \
+        _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads) if(threads > 1)")                                                           \
         for (int64_t item = 0; item < items; ++item) {                                                             \
             const int64_t e = item / tiles, t = item % tiles;                                                      \
             const int64_t start = e ? ends[e - 1] : 0, end = ends[e];                                              \
@@ -202,9 +202,9 @@ ALWAYS_INLINE void dot_pass_pairs(const uint16_t *restrict x, const uint16_t *co
         }                                                                                                          \
     }                                                                                                              \
     void NAME(const XT *restrict x, const uint16_t *restrict w, float *restrict y, const int64_t *restrict ends,   \
-              int64_t experts, int64_t k, int64_t n) {                                                             \
+              int64_t experts, int64_t k, int64_t n, int64_t threads) {                                                             \
         const int64_t tiles = (n + DOT_NB - 1) / DOT_NB, items = experts * tiles;                                  \
-        _Pragma("omp parallel for schedule(dynamic, 16)")                                                          \
+        _Pragma("omp parallel for schedule(dynamic, 16) num_threads(threads) if(threads > 1)")                                                          \
         for (int64_t item = 0; item < items; ++item) {                                                             \
             const int64_t e = item / tiles, j0 = (item % tiles) * DOT_NB;                                          \
             const int64_t start = e ? ends[e - 1] : 0, end = ends[e];                                              \

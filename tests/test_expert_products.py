@@ -71,21 +71,27 @@ def test_every_path_gives_torchs_grouped_product(input_major):
         assert torch.equal(out[13:], torch.zeros(2, 96))
 
 
-def test_the_bf16_kernel_rounds_its_fp32_sums_once():
-    """bf16 weights widened exactly: every output within one bf16 spacing of the exact product (float64), as torch's
-    (oneDNN's) bf16 product; the two round apart only where their fp32 sums straddle a bf16 rounding boundary."""
+@pytest.mark.parametrize("k, n, path", [(304, 80, "dispatch"), (304, 128, "pairs"), (304, 128, "widened"),
+                                        (305, 128, "dispatch"), (306, 192, "dispatch")])
+def test_the_bf16_kernel_rounds_its_fp32_sums_once(k, n, path):
+    """bf16 input-major weights, widened exactly or (avx512_bf16, k even, n a multiple of 64) in pairs: every output
+    within one bf16 spacing of the exact product (float64), as torch's (oneDNN's) bf16 product; the two round apart
+    only where their fp32 sums straddle a bf16 rounding boundary."""
     kernel = X.load_expert_gemm()
-    if kernel is None:
-        pytest.skip("no C compiler")
-    rows, weight, ends = grouped_inputs([3, 0, 17, 1], 304, 80, extra_rows=2)
+    if kernel is None or (path == "pairs" and kernel.gemm_pairs_fn is None):
+        pytest.skip("no C compiler" if kernel is None else "no avx512_bf16")
+    rows, weight, ends = grouped_inputs([3, 0, 17, 1, 6], k, n, extra_rows=2)
     rows, weight = rows.bfloat16(), weight.bfloat16()
-    out = kernel(rows, weight, ends)
-    assert out.dtype is torch.bfloat16 and torch.equal(out[21:], torch.zeros(2, 80, dtype=torch.bfloat16))
-    exact = reference(rows, weight, ends)[:21]
+    if path == "widened":  # what a CPU without avx512_bf16 runs
+        out = kernel._run(kernel.fns[torch.bfloat16], rows, weight, ends)
+    else:
+        out = kernel(rows, weight, ends)
+    assert out.dtype is torch.bfloat16 and torch.equal(out[27:], torch.zeros(2, n, dtype=torch.bfloat16))
+    exact = reference(rows, weight, ends)[:27]
     spacing = torch.pow(2.0, torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
-    assert bool(((out[:21].double() - exact).abs() <= spacing).all())
-    torch_out = torch._grouped_mm(rows, weight, offs=ends)[:21]
-    assert (out[:21] != torch_out).double().mean() < 0.01
+    assert bool(((out[:27].double() - exact).abs() <= spacing).all())
+    if k * 2 % 16 == 0:  # torch's bf16 grouped product takes rows 16-byte aligned only
+        assert (out[:27] != torch._grouped_mm(rows, weight, offs=ends)[:27]).double().mean() < 0.01
 
 
 @pytest.mark.parametrize("k, path", [(96, "pairs"), (48, "widened"), (96, "widened")])
@@ -306,3 +312,20 @@ def test_a_call_the_wrapper_was_not_written_for_goes_to_transformers(monkeypatch
     assert not ran
     moe._grouped_mm(rows, weight, offs=ends)
     assert ran == [1]
+
+
+def test_the_kernel_switch_leaves_it_out(monkeypatch):
+    """HF_PAGED_EXPERT_GEMM=0: no input-major or bf16 kernel (not built, not a candidate); fp32 output-major weights
+    keep the few-row linear kernel (its own switch)."""
+    monkeypatch.setenv(X.KERNEL_SWITCH, "0")
+    X.load_expert_gemm.cache_clear()
+    try:
+        assert X.load_expert_gemm() is None
+        rows, weight, _ = grouped_inputs([2, 3], 32, 32)
+        assert X.native_product(rows, weight) is None
+        assert X.native_product(rows.bfloat16(), weight.bfloat16()) is None
+        rows, weight, _ = grouped_inputs([2, 3], 32, 32, input_major=False)
+        assert X.native_product(rows.bfloat16(), weight.bfloat16()) is None
+    finally:
+        monkeypatch.delenv(X.KERNEL_SWITCH)
+        X.load_expert_gemm.cache_clear()

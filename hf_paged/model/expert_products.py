@@ -8,13 +8,14 @@ expert: fp32 through MKL, which on an AMD EPYC (Zen 5, issue 27) runs its AVX2 c
 expert, far below both the FMA rate and the memory bandwidth; bf16 through oneDNN. Candidates: transformers' product
 ("grouped_mm", the baseline); for fp32, oneDNN's GEMM once per expert ("onednn": 1.4x at 16 rows per expert, 2x at
 hundreds, weights in cache); and "kernel": for weights stored input-major ([E, k, n], gpt-oss) `cpu/expert_gemm.c` (each
-weight row loaded once per six rows of the group; fp32 2.4x at 16 rows, 2x at 256; bf16 weights widened in registers:
-1.8x at 1-2 rows, a loss from 64 on, where oneDNN's bf16 instructions win); for weights stored output-major (a view of
-[E, n, k]: Mixtral, Qwen-MoE) fp32: the few-row linear kernel of `small_linear` once per expert, bf16: dot products
-along k in `cpu/expert_gemm.c` (with avx512_bf16, pairs of bf16 in one instruction; in the benchmark's decode steps 2-3x
-transformers' product at 8-16 rows per expert, a loss at prefill sizes). Nothing is assumed: in an engine's forward each
-grouped product is a choice (`TABLE`, a `trials.Table`) among them per weight shape, dtype and layout, row bucket and
-thread count, timed on the first calls of each key in the model's own forwards.
+weight row loaded once per six rows of the group; fp32 2.4x at 16 rows, 2x at 256; bf16 weights widened in registers or,
+with avx512_bf16, multiplied in pairs: in the benchmark's steps 2.7-5x at 8-16 rows per expert, on par at prefill
+sizes); for weights stored output-major (a view of [E, n, k]: Mixtral, Qwen-MoE) fp32: the few-row linear kernel of
+`small_linear` once per expert, bf16: dot products along k in `cpu/expert_gemm.c` (with avx512_bf16, pairs of bf16 in
+one instruction; in the benchmark's decode steps 2-3x transformers' product at 8-16 rows per expert, a loss at prefill
+sizes). Nothing is assumed: in an engine's forward each grouped product is a choice (`TABLE`, a `trials.Table`) among
+them per weight shape, dtype and layout, row bucket and thread count, timed on the first calls of each key in the
+model's own forwards.
 
 Invariants:
 - While hf_paged is enabled transformers' `_grouped_mm` is one wrapper (`register` / `unregister`, from
@@ -74,17 +75,21 @@ class ExpertGemm:
         self.fns = {torch.float32: library.expert_gemm_f32, torch.bfloat16: library.expert_gemm_bf16}
         self.dot_fn = library.expert_dot_bf16
         try:  # built only where the CPU has avx512_bf16
-            self.pairs_fn = library.expert_dot_bf16_pairs
+            self.pairs_fn, self.gemm_pairs_fn = library.expert_dot_bf16_pairs, library.expert_gemm_bf16_pairs
         except AttributeError:
-            self.pairs_fn = None
-        for fn in (*self.fns.values(), self.dot_fn, self.pairs_fn):
+            self.pairs_fn = self.gemm_pairs_fn = None
+        for fn in (*self.fns.values(), self.dot_fn, self.pairs_fn, self.gemm_pairs_fn):
             if fn is not None:
                 fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64]
                 fn.restype = None
 
     def __call__(self, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
         """input [S, k] and weight [E, k, n], both fp32 or both bf16, contiguous (n a multiple of 16:
-        `native_product`) -> [S, n] in their dtype; bf16: products and sums in fp32, the result rounded once."""
+        `native_product`) -> [S, n] in their dtype; bf16: products and sums in fp32, the result rounded once (with
+        avx512_bf16, k even and n a multiple of 64: pairs of bf16 multiplied in one instruction)."""
+        if weight.dtype is torch.bfloat16 and self.gemm_pairs_fn is not None and input.shape[1] % 2 == 0 \
+                and weight.shape[2] % 64 == 0:
+            return self._run(self.gemm_pairs_fn, input, weight, offs, widen=False)
         return self._run(self.fns[weight.dtype], input, weight, offs)
 
     def dot(self, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002

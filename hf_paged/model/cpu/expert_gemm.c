@@ -3,7 +3,8 @@
  *
  * x:    [S, k] fp32 contiguous, sorted by expert (transformers' grouped experts sort them so)
  * w:    [E, k, n] contiguous, fp32 (expert_gemm_f32) or bf16 (expert_gemm_bf16: each weight widened exactly to fp32
- *       in registers, the products and sums in fp32, as oneDNN's bf16 GEMM sums; the caller rounds y to bf16)
+ *       in registers, the products and sums in fp32, as oneDNN's bf16 GEMM sums; the caller rounds y to bf16; with
+ *       avx512_bf16, expert_gemm_bf16_pairs below multiplies pairs of bf16 in one instruction)
  * ends: [E] cumulative group ends: expert e takes rows ends[e-1] .. ends[e] - 1 (ends[-1] = 0), at most S
  * y:    [S, n] fp32 contiguous; rows past the last end are left to the caller
  * n:    a multiple of 16
@@ -122,6 +123,88 @@ DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
 DEFINE_GROUPED(expert_gemm_f32, float, tile_f32)
 DEFINE_GROUPED(expert_gemm_bf16, uint16_t, tile_bf16)
 
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* Input-major bf16 weights with avx512_bf16 (x kept in bf16, k even, n a multiple of 64): the weight rows kk and kk + 1
+ * of 32 columns are interleaved into pairs (unpacklo / unpackhi of 16-bit words: within each 128-bit lane, columns
+ * 0-3 and 4-7 of its 8), so that one instruction multiplies each column's pair by x's pair (x[i][kk], x[i][kk + 1])
+ * exactly and adds both products to its fp32 sum; the stores put the columns back in order. Sums over kk in pairs,
+ * in blocks of K_BLOCK, as the widened kernel's (denormal inputs read as zero, as oneDNN's bf16 GEMM reads them). */
+ALWAYS_INLINE void pairs_pass(const uint16_t *restrict x, const uint16_t *restrict w, float *restrict y, int64_t k,
+                              int64_t n, const int rows, const int prefetch) {
+    __m512 total[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < 4; ++h) total[r][h] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < k; k0 += K_BLOCK) {
+        const int64_t k1 = k - k0 < K_BLOCK ? k : k0 + K_BLOCK;
+        __m512 acc[ROWS][4];
+        for (int r = 0; r < ROWS; ++r)
+            for (int h = 0; h < 4; ++h) acc[r][h] = _mm512_setzero_ps();
+        for (int64_t kk = k0; kk < k1; kk += 2) {
+            const uint16_t *wa = w + kk * n, *wb = wa + n;
+            if (prefetch && kk + PREFETCH + 1 < k)
+                for (int h = 0; h < 2; ++h) {
+                    __builtin_prefetch(wa + PREFETCH * n + 32 * h, 0, 2);
+                    __builtin_prefetch(wb + PREFETCH * n + 32 * h, 0, 2);
+                }
+            __m512bh wv[4];
+            for (int h = 0; h < 2; ++h) {
+                const __m512i a = _mm512_loadu_si512(wa + 32 * h), b = _mm512_loadu_si512(wb + 32 * h);
+                wv[2 * h] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+                wv[2 * h + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            }
+            for (int r = 0; r < rows; ++r) {
+                uint32_t pair;
+                memcpy(&pair, x + r * k + kk, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+                for (int h = 0; h < 4; ++h) acc[r][h] = _mm512_dpbf16_ps(acc[r][h], wv[h], xv);
+            }
+        }
+        for (int r = 0; r < rows; ++r)
+            for (int h = 0; h < 4; ++h) total[r][h] = _mm512_add_ps(total[r][h], acc[r][h]);
+    }
+    /* lo holds columns {0-3, 8-11, 16-19, 24-27} of its 32, hi {4-7, 12-15, 20-23, 28-31} */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int r = 0; r < rows; ++r)
+        for (int h = 0; h < 2; ++h) {
+            _mm512_storeu_ps(y + r * n + 32 * h, _mm512_permutex2var_ps(total[r][2 * h], first, total[r][2 * h + 1]));
+            _mm512_storeu_ps(y + r * n + 32 * h + 16,
+                             _mm512_permutex2var_ps(total[r][2 * h], second, total[r][2 * h + 1]));
+        }
+}
+
+static void pairs_tile(const uint16_t *restrict x, const uint16_t *restrict w, float *restrict y, int64_t m, int64_t k,
+                       int64_t n) {
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+        const int64_t left = m - r0;
+        const uint16_t *xr = x + r0 * k;
+        float *yr = y + r0 * n;
+        const int prefetch = r0 == 0;
+        switch (left < ROWS ? (int)left : ROWS) {
+        case 1: pairs_pass(xr, w, yr, k, n, 1, prefetch); break;
+        case 2: pairs_pass(xr, w, yr, k, n, 2, prefetch); break;
+        case 3: pairs_pass(xr, w, yr, k, n, 3, prefetch); break;
+        case 4: pairs_pass(xr, w, yr, k, n, 4, prefetch); break;
+        case 5: pairs_pass(xr, w, yr, k, n, 5, prefetch); break;
+        default: pairs_pass(xr, w, yr, k, n, 6, prefetch); break;
+        }
+    }
+}
+
+void expert_gemm_bf16_pairs(const uint16_t *restrict x, const uint16_t *restrict w, float *restrict y,
+                            const int64_t *restrict ends, int64_t experts, int64_t k, int64_t n, int64_t threads) {
+    const int64_t tiles = n / 64, items = experts * tiles;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (threads > 1)
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t e = item / tiles, col = (item % tiles) * 64;
+        const int64_t start = e ? ends[e - 1] : 0, end = ends[e];
+        if (end <= start) continue;
+        pairs_tile(x + start * k, w + e * k * n + col, y + start * n + col, end - start, k, n);
+    }
+}
+#endif
 
 /* Output-major bf16 weights ([E, n, k], each output's weights contiguous along k: Mixtral, Qwen-MoE), k a multiple
  * of 16: y[i, j] = sum over kk of x[i, kk] w[e][j][kk], dot products along k read straight from x (fp32: widened by

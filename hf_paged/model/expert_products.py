@@ -141,16 +141,7 @@ def native_product(input: torch.Tensor, weight: torch.Tensor):  # noqa: A002 - t
 
 
 def _per_expert_small(small, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa
-    out = input.new_empty(input.shape[0], weight.shape[2])
-    start = 0
-    for expert, end in enumerate(offs.tolist()):
-        end = min(max(end, start), input.shape[0])
-        if end > start:
-            out[start:end] = small(input[start:end], weight[expert].t(), None)
-        start = end
-    if start < input.shape[0]:
-        out[start:].zero_()
-    return out
+    return each_expert(lambda rows, transposed: small(rows, transposed, None), input, weight, offs)
 
 
 def takes(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:  # noqa: A002 - transformers' name
@@ -170,19 +161,24 @@ def _plain(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and type(tensor.data) is torch.Tensor
 
 
-def per_expert(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
-    """[S, n]: each expert's group of rows times its weight through oneDNN; rows past the last offset are zeros."""
-    ends = offs.tolist()
+def each_expert(product, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa
+    """[S, n]: each expert's group of rows times its weight, `product(rows, weight[e].t())` (rows x an [n, k] weight);
+    rows past the last offset are zeros; offsets past the rows or going back are clamped."""
     out = input.new_empty(input.shape[0], weight.shape[2])
     start = 0
-    for expert, end in enumerate(ends):
+    for expert, end in enumerate(offs.tolist()):
         end = min(max(end, start), input.shape[0])
         if end > start:
-            out[start:end] = onednn_linear.product(input[start:end], weight[expert].t(), None)
+            out[start:end] = product(input[start:end], weight[expert].t())
         start = end
     if start < input.shape[0]:
         out[start:].zero_()
     return out
+
+
+def per_expert(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """[S, n]: each expert's group of rows times its weight through oneDNN (`each_expert`)."""
+    return each_expert(lambda rows, transposed: onednn_linear.product(rows, transposed, None), input, weight, offs)
 
 
 def grouped(original, input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # noqa: A002

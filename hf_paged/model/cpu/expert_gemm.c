@@ -22,6 +22,9 @@
  * of the floating-point sums differs from BLAS's. */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
@@ -29,7 +32,8 @@ typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t ivec16 __attribute__((vector_size(64)));
 typedef uint16_t hvec16 __attribute__((vector_size(32), aligned(2)));
 
-/* 16 fp32 weights: read as they are, or (bf16 weights) 16 bf16 values widened exactly (a bf16 is an fp32's top half). */
+/* 16 fp32 weights: read as they are, or (bf16 weights) 16 bf16 values widened exactly (a bf16 is an fp32's top
+ * half). */
 ALWAYS_INLINE vec16 load_f32(const float *p) {
     vec16 v;
     memcpy(&v, p, sizeof v);
@@ -107,10 +111,10 @@ DEFINE_TILE(tile_bf16, uint16_t, load_bf16)
 /* Every (expert, column tile) of the grouped product, spread over the threads. */
 #define DEFINE_GROUPED(NAME, W, TILE)                                                                               \
     void NAME(const float *restrict x, const W *restrict w, float *restrict y, const int64_t *restrict ends,       \
-              int64_t experts, int64_t k, int64_t n, int64_t threads) {                                                             \
+              int64_t experts, int64_t k, int64_t n, int64_t threads) {                                                \
         const int64_t wide = n / 64, tiles = wide + (n - wide * 64) / 16; /* per expert: 64 columns, then 16s */   \
         const int64_t items = experts * tiles;                                                                     \
-        _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads) if(threads > 1)")                                                           \
+        _Pragma("omp parallel for schedule(dynamic, 4) num_threads(threads) if(threads > 1)")                          \
         for (int64_t item = 0; item < items; ++item) {                                                             \
             const int64_t e = item / tiles, t = item % tiles;                                                      \
             const int64_t start = e ? ends[e - 1] : 0, end = ends[e];                                              \
@@ -125,7 +129,6 @@ DEFINE_GROUPED(expert_gemm_bf16, uint16_t, tile_bf16)
 
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 /* Input-major bf16 weights with avx512_bf16 (x kept in bf16, k even, n a multiple of 64): the weight rows kk and kk + 1
  * of 32 columns are interleaved into pairs (unpacklo / unpackhi of 16-bit words: within each 128-bit lane, columns
  * 0-3 and 4-7 of its 8), so that one instruction multiplies each column's pair by x's pair (x[i][kk], x[i][kk + 1])
@@ -241,7 +244,6 @@ ALWAYS_INLINE void dot_pass(const float *restrict x, const uint16_t *const wr[DO
 }
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 /* With avx512_bf16 (x kept in bf16, k a multiple of 32): one instruction multiplies 16 pairs of bf16 exactly and adds
  * both products to 16 fp32 sums (denormal inputs read as zero, as oneDNN's bf16 GEMM on such a CPU reads them). */
 ALWAYS_INLINE void dot_pass_pairs(const uint16_t *restrict x, const uint16_t *const wr[DOT_NB], float *restrict y,
@@ -285,9 +287,9 @@ ALWAYS_INLINE void dot_pass_pairs(const uint16_t *restrict x, const uint16_t *co
         }                                                                                                          \
     }                                                                                                              \
     void NAME(const XT *restrict x, const uint16_t *restrict w, float *restrict y, const int64_t *restrict ends,   \
-              int64_t experts, int64_t k, int64_t n, int64_t threads) {                                                             \
+              int64_t experts, int64_t k, int64_t n, int64_t threads) {                                                \
         const int64_t tiles = (n + DOT_NB - 1) / DOT_NB, items = experts * tiles;                                  \
-        _Pragma("omp parallel for schedule(dynamic, 16) num_threads(threads) if(threads > 1)")                                                          \
+        _Pragma("omp parallel for schedule(dynamic, 16) num_threads(threads) if(threads > 1)")                         \
         for (int64_t item = 0; item < items; ++item) {                                                             \
             const int64_t e = item / tiles, j0 = (item % tiles) * DOT_NB;                                          \
             const int64_t start = e ? ends[e - 1] : 0, end = ends[e];                                              \

@@ -116,7 +116,10 @@ HYBRIDS = {
 def tiny_hybrid(model_type: str, seed: int = 0, sharpen: float = 8.0, layers: int = 4, hidden: int = 64,
                 vocab_size: int = 256, dtype=torch.float32, **overrides):
     """A random-weight hybrid (attention + state layers) or state-space causal LM of `model_type` (one of
-    `HYBRIDS`), in eval mode, its output head scaled by `sharpen`."""
+    `HYBRIDS`), in eval mode, its output head scaled by `sharpen`. Mamba-2 mixers (a `dt_bias`) are given a scan that
+    weighs on their output: as initialized, their B and C (through a convolution of weights ~0.02) are ~1e-3 and
+    the D skip (1) makes up nearly all of it, so a wrong scan would still give HF's tokens; here the convolution is
+    scaled by `MAMBA2_CONV_GAIN`, D set to 0.1 and dt's bias to -3 (small steps: a state that keeps many tokens)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -128,10 +131,16 @@ def tiny_hybrid(model_type: str, seed: int = 0, sharpen: float = 8.0, layers: in
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
+        for module in model.modules():
+            if all(hasattr(module, name) for name in ("dt_bias", "A_log", "D", "conv1d")):
+                module.conv1d.weight.mul_(MAMBA2_CONV_GAIN)
+                module.dt_bias.fill_(-3.0)
+                module.D.fill_(0.1)
     model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 2
     return model.eval()
 
 
+MAMBA2_CONV_GAIN = 30.0
 _FIVE_TO_ONE = ["sliding_attention"] * 5 + ["full_attention"]
 # stacks mixing sliding-window and full-attention layers, in the family's own pattern
 MIXED = {

@@ -48,3 +48,21 @@ def test_mixed_stacks_are_built_as_their_family_and_give_hfs_tokens(restore, arc
     paged = throughput.measure("hf_paged", 2, args, setup, 1)
     padded = throughput.measure("hf_padded", 2, args, setup, 1)
     assert paged["tokens"] == padded["tokens"] and [len(t) for t in paged["tokens"]] == [3, 3]
+
+
+@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1"])
+def test_mamba2_hybrids_are_built_as_their_family_and_give_hfs_tokens(restore, arch):
+    """--arch nemotron_h (Mamba-2 and MLP layers alternating, one attention layer in 8) / falcon_h1 (attention and a
+    Mamba-2 mixer side by side in every layer) at --small sizes: the family's model and sizes, HF padded's tokens."""
+    full, small = throughput_models.HYBRID_SETUPS[arch]
+    assert throughput.workload(arch, False) is full and full["model"]["hidden"] == 512
+    setup = dict(small, prompt_len=(8, 40))
+    model = throughput.build_model(arch, setup["model"])
+    mixers = [m for m in model.modules() if hasattr(m, "ssm_state_size")]
+    assert model.config.model_type == arch and mixers and mixers[0].ssm_state_size == 16
+    if arch == "nemotron_h":
+        assert model.config.layers_block_type == setup["model"]["layer_types"] and len(mixers) == 4
+    args = SimpleNamespace(arch=arch, dtype="float32", max_tokens=3)
+    paged = throughput.measure("hf_paged", 2, args, setup, 1)
+    padded = throughput.measure("hf_padded", 2, args, setup, 1)
+    assert paged["tokens"] == padded["tokens"] and [len(t) for t in paged["tokens"]] == [3, 3]

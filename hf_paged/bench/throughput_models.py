@@ -1,7 +1,7 @@
-"""The throughput benchmark's random models (`--arch`) and their workloads: the standard Llama, a hybrid of a
-family's shape (Gated DeltaNet + attention: `qwen3_5_text`), and stacks that mix sliding-window and full-attention
-layers in their family's own pattern (`gemma3_text`, `gemma2`, `gpt_oss`), a mixture of experts stored output-major
-(`mixtral`), each with `--small` sizes for smoke runs.
+"""The throughput benchmark's random models (`--arch`) and their workloads: the standard Llama, hybrids of a
+family's shape (Gated DeltaNet + attention: `qwen3_5_text`; Mamba-2 + attention: `nemotron_h`, `falcon_h1`), stacks
+that mix sliding-window and full-attention layers in their family's own pattern (`gemma3_text`, `gemma2`,
+`gpt_oss`), a mixture of experts stored output-major (`mixtral`), each with `--small` sizes for smoke runs.
 
 Invariants:
 - Every arch runs the same prompts (16-200 random tokens, seed SEED) and new-token counts; only the model differs.
@@ -20,6 +20,7 @@ FULL = dict(model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads
 SMALL = dict(model=dict(vocab_size=1000, hidden=128, layers=2, heads=4, kv_heads=2, max_len=1024,
                         intermediate_size=344), prompt_len=(16, 200), requests=[4, 8], max_tokens=8)
 _THREE_TO_ONE = ["linear_attention"] * 3 + ["full_attention"]
+_NEMOTRON = ["linear_attention", "mlp"] * 2 + ["linear_attention", "full_attention", "linear_attention", "mlp"]
 # hybrids (hf_paged.tiny.HYBRIDS): the same workload, a model of the family's shape
 HYBRID_SETUPS = {
     "qwen3_5_text": (
@@ -29,6 +30,22 @@ HYBRID_SETUPS = {
         dict(SMALL, model=dict(vocab_size=1000, hidden=128, layers=4, heads=4, kv_heads=2, max_len=1024, head_dim=32,
                                intermediate_size=256, layer_types=_THREE_TO_ONE, linear_num_key_heads=2,
                                linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32))),
+    # Nemotron-H's pattern (Mamba-2 : MLP alternating, one attention layer in 8), its 128-wide states and chunks
+    "nemotron_h": (
+        dict(FULL, model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024, head_dim=64,
+                              intermediate_size=1376, layer_types=_NEMOTRON, mamba_num_heads=16, mamba_head_dim=64,
+                              n_groups=2, ssm_state_size=128, chunk_size=128)),
+        dict(SMALL, model=dict(vocab_size=1000, hidden=128, layers=8, heads=4, kv_heads=2, max_len=1024, head_dim=32,
+                               intermediate_size=344, layer_types=_NEMOTRON, mamba_num_heads=8, mamba_head_dim=32,
+                               n_groups=1, ssm_state_size=16, chunk_size=16))),
+    # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer
+    "falcon_h1": (
+        dict(FULL, model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024, head_dim=64,
+                              intermediate_size=1376, mamba_d_ssm=1024, mamba_n_heads=16, mamba_d_head=64,
+                              mamba_n_groups=1, mamba_d_state=128, mamba_chunk_size=128)),
+        dict(SMALL, model=dict(vocab_size=1000, hidden=128, layers=2, heads=4, kv_heads=2, max_len=1024, head_dim=32,
+                               intermediate_size=344, mamba_d_ssm=256, mamba_n_heads=8, mamba_d_head=32,
+                               mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16))),
 }
 _FIVE_TO_ONE = ["sliding_attention"] * 5 + ["full_attention"]
 _ALTERNATING = ["sliding_attention", "full_attention"]

@@ -1,11 +1,14 @@
-"""Faster forwards for state modules whose transformers code calls the gated delta rule or the short-convolution
-helpers (Qwen3.5, Qwen3-Next, OLMo-Hybrid, ... and the convolutions of Mamba-2, LFM2, ...): the module's own forward
-with `gated_delta`'s functions in place of transformers' torch reference code, chosen per module class by a check on
-first use.
+"""Faster forwards for state modules whose transformers code calls the gated delta rule, the short-convolution
+helpers or the Mamba-2 selective scan (Qwen3.5, Qwen3-Next, OLMo-Hybrid, ...; the convolutions of Mamba-2, LFM2, ...;
+the scans of Mamba-2, Nemotron-H, Falcon-H1, Bamba, Granite-4 hybrids, Zamba2): the module's own forward with
+`gated_delta`'s and `ssd_scan`'s functions in place of transformers' torch reference code, chosen per module class by
+a check on first use.
 
 The module's own forward still runs (its projections, gates, norms): `fast_forward` is a copy of its function whose
-globals name `gated_delta`'s functions in place of transformers' (`SUBSTITUTES`), so only the engine's calls through
-`state_layers.state_forward` see them; transformers' module, its functions and every plain forward stay as they are.
+globals name our functions in place of transformers' (`SUBSTITUTES`; where one function has a substitute per part,
+"name@decode" and "name@prefill", each wraps the one before and passes on what it does not cover), so only the
+engine's calls through `state_layers.state_forward` see them; transformers' module, its functions and every plain
+forward stay as they are.
 
 Which substitutes a module class takes (`fast_paths`, once per model, dtype, device and torch threads):
 1. agreement: the module's forward with every substitute it can take gives its own forward's outputs and stored
@@ -31,16 +34,19 @@ import torch
 
 from ..kv.state import StateSlots
 from .gated_delta import chunk_rule, conv_step, recurrent_step
+from .ssd_scan import decode_scan, prefill_scan
 from .state_continuation import module_inputs
 from .state_layers import StateRun, StateView, cache_keyword, own_forward, run_module, split_arguments
 
 logger = logging.getLogger("hf_paged")
 
-# transformers' names in a modeling module -> what makes our substitute from its function
+# substitutes: transformers' name in a modeling module (with "@part" where one function has a substitute per part,
+# applied in turn, each wrapping the one before) -> what makes our substitute from the function it replaces
 SUBSTITUTES = {"torch_recurrent_gated_delta_rule": recurrent_step, "causal_conv1d_forward": conv_step,
-               "torch_chunk_gated_delta_rule": chunk_rule}
-DECODE = frozenset({"torch_recurrent_gated_delta_rule", "causal_conv1d_forward"})
-PREFILL = frozenset({"torch_chunk_gated_delta_rule"})
+               "torch_chunk_gated_delta_rule": chunk_rule, "mamba2_scan_forward@decode": decode_scan,
+               "mamba2_scan_forward@prefill": prefill_scan}
+DECODE = frozenset({"torch_recurrent_gated_delta_rule", "causal_conv1d_forward", "mamba2_scan_forward@decode"})
+PREFILL = frozenset({"torch_chunk_gated_delta_rule", "mamba2_scan_forward@prefill"})
 SWITCH = "HF_PAGED_STATE_FAST"  # "fast" / "own": skip the timing (the agreement check still runs)
 TIMING_BATCH, TIMING_LENGTH = 32, 128
 MARGIN = 0.05  # a part must be more than 5 % faster to be taken
@@ -56,8 +62,13 @@ def substitutable(module: torch.nn.Module) -> frozenset:
     function = inspect.unwrap(type(module).forward)
     if not isinstance(function, types.FunctionType):
         return frozenset()
-    return frozenset(name for name in function.__code__.co_names
-                     if name in SUBSTITUTES and name in function.__globals__)
+    called = set(function.__code__.co_names) & set(function.__globals__)
+    return frozenset(entry for entry in SUBSTITUTES if modeling_name(entry) in called)
+
+
+def modeling_name(entry: str) -> str:
+    """The modeling module's name a `SUBSTITUTES` entry replaces."""
+    return entry.split("@")[0]
 
 
 def fast_forward(module: torch.nn.Module, names: frozenset):
@@ -68,8 +79,8 @@ def fast_forward(module: torch.nn.Module, names: frozenset):
         return None
     function = inspect.unwrap(type(module).forward)
     scope = dict(function.__globals__)
-    for name in names:
-        scope[name] = SUBSTITUTES[name](scope[name])
+    for entry in sorted(names):
+        scope[modeling_name(entry)] = SUBSTITUTES[entry](scope[modeling_name(entry)])
     copy = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__,
                               function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__

@@ -27,12 +27,12 @@ def always_fast(monkeypatch):
 
 
 def native_calls(monkeypatch) -> list:
-    """(tokens, fresh) of every native scan call from now on."""
+    """(tokens, fresh, half) of every native scan call from now on."""
     calls, real = [], ssd_scan.native_scan()
 
     class Counted:
         def scan(self, state, fresh, x, *args):
-            calls.append((args[-5], fresh))
+            calls.append((args[-6], fresh, args[-1]))
             return real.scan(state, fresh, x, *args)
     monkeypatch.setattr(ssd_scan, "native_scan", lambda: Counted())
     return calls
@@ -69,10 +69,55 @@ def test_kernel_matches_float64_sums(length, fresh, state_size, with_d):
     out = torch.empty_like(x)
     ssd_scan.native_scan().scan(state.data_ptr(), int(fresh), x.data_ptr(), dt.data_ptr(), decay.data_ptr(),
                                 B.data_ptr(), C.data_ptr(), None if D is None else D.data_ptr(), out.data_ptr(),
-                                batch, length, heads, head_dim, groups, state_size)
+                                batch, length, heads, head_dim, groups, state_size, 0)
     want_out, want_state = reference(torch.zeros_like(given) if fresh else given, x, dt, decay, B, C, D)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state.double(), want_state, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_bf16_decode_rounds_as_transformers_recurrent_form():
+    """A bf16 model's decode (`half`): transformers' own `mamba2_selective_state_update` on bf16 inputs and an fp32
+    state gives the same new state (every rounding the same; exp(dt A) computed alike) and an output within one bf16
+    spacing (its product's sum in another order)."""
+    import transformers.models.bamba.modeling_bamba as modeling
+
+    gen = torch.Generator().manual_seed(9)
+    batch, heads, head_dim, groups, size = 3, 4, 8, 2, 40
+    x, dt = torch.randn(batch, heads, head_dim, generator=gen), torch.randn(batch, heads, generator=gen) - 2
+    B, C = (torch.randn(batch, groups, size, generator=gen) for _ in range(2))
+    x, dt, B, C = (t.bfloat16() for t in (x, dt, B, C))
+    A, D, bias = -torch.rand(heads, generator=gen) * 4, torch.randn(heads).bfloat16(), torch.randn(heads).bfloat16()
+    state = torch.randn(batch, heads, head_dim, size, generator=gen)
+    want_state = state.clone()
+    want = modeling.mamba2_selective_state_update(
+        want_state, x, dt[..., None].expand(-1, -1, head_dim), A[:, None, None].expand(-1, head_dim, size), B, C,
+        D[:, None].expand(-1, head_dim), z=None, dt_bias=bias[:, None].expand(-1, head_dim), dt_softplus=True)
+    step = torch.nn.functional.softplus(dt + bias)
+    decay = torch.exp(step.float() * A)
+    out = torch.empty(batch, heads, head_dim)
+    wide = [t.float().contiguous() for t in (x, step, B, C, D)]
+    ssd_scan.native_scan().scan(state.data_ptr(), 0, wide[0].data_ptr(), wide[1].data_ptr(), decay.data_ptr(),
+                                wide[2].data_ptr(), wide[3].data_ptr(), wide[4].data_ptr(), out.data_ptr(),
+                                batch, 1, heads, head_dim, groups, size, 1)
+    assert torch.equal(state, want_state)
+    assert torch.equal(out, out.bfloat16().float())  # bf16 values
+    spacing = want.float().abs().clamp_min(1e-2) * 2 ** -7
+    assert ((out - want.float()).abs() <= spacing).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("model_type", ["nemotron_h", "falcon_h1"])
+def test_bf16_models_take_the_native_scan(monkeypatch, always_fast, model_type):
+    """A bf16 model takes both parts (within the agreement check's bf16 tolerance of its own forward), passes the
+    start-up check and runs its decodes with bf16 rounding, its prefills in fp32."""
+    calls = native_calls(monkeypatch)
+    model = tiny_hybrid(model_type, dtype=torch.bfloat16)
+    assert all(path is not None for path in state_fast.fast_paths(model, find_state_modules(model)).values())
+    llm = hf_paged.LLM(model, num_blocks=32, block_size=4)
+    out = llm.generate([[5, 6, 7, 8], [9, 10]], hf_paged.SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    assert (1, 0, 1) in calls and any(length > 1 and not half for length, _, half in calls)
 
 
 @needs_kernel
@@ -87,7 +132,7 @@ def test_every_mamba2_family_takes_both_parts_exactly(monkeypatch, always_fast, 
     assert paths and all(path is not None for path in paths.values())
     ids, mask = left_padded_batch([5, 11, 17])
     assert_same_as_hf(model, ids, mask, max_new_tokens=12, do_sample=False)
-    assert (1, 0) in calls and any(length > 1 for length, _ in calls)  # decodes and prefills, natively
+    assert (1, 0, 0) in calls and any(length > 1 for length, _, _ in calls)  # decodes and prefills, natively
 
 
 def scan_on_views(scan, mixer, inputs: list, fresh: bool) -> list:
@@ -155,7 +200,7 @@ def test_exact_under_pressure(monkeypatch, always_fast):
     outs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
     assert outs == alone(prompts)
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
-    assert any(length > 1 and not fresh for length, fresh in calls)  # prefills continuing a stored state
+    assert any(length > 1 and not fresh for length, fresh, _ in calls)  # prefills continuing a stored state
 
 
 @needs_kernel
@@ -175,7 +220,7 @@ def test_a_wrong_substitute_is_not_taken(monkeypatch, always_fast, entry, wrong)
 
 
 def test_transformers_own_code_where_the_scan_does_not_apply(monkeypatch, always_fast):
-    """No native build (HF_PAGED_SSD_KERNEL=0), a bf16 model, or every token's state asked for: transformers' own
+    """No native build (HF_PAGED_SSD_KERNEL=0), an fp16 model, or every token's state asked for: transformers' own
     `mamba2_scan_forward` computes the call (the substitute declines), and the engine stays exact in fp32."""
     import transformers.models.bamba.modeling_bamba as modeling
 
@@ -201,5 +246,5 @@ def test_transformers_own_code_where_the_scan_does_not_apply(monkeypatch, always
     dt = torch.randn(1, 4, mixer.num_heads)
     assert ssd_scan._native(mixer, x, B, C, dt, view, prefill=True) is None  # every token's state asked for
     view.get_recurrent_states_to_keep = lambda layer=None: 0
-    assert ssd_scan._native(mixer.to(torch.bfloat16), x.bfloat16(), B.bfloat16(), C.bfloat16(), dt.bfloat16(), view,
+    assert ssd_scan._native(mixer.to(torch.float16), x.half(), B.half(), C.half(), dt.half(), view,
                             prefill=True) is None

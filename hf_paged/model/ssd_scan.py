@@ -13,8 +13,11 @@ Granite-4 hybrids, Zamba2: the same function in each modeling file), made from t
   core's cache.
 dt's bias, softplus (and for a prefill the clamp to the module's `time_step_limit`) and exp(dt A) are computed by
 torch on [batch, tokens, heads], as transformers computes them (its broadcasts repeat each value over the head dim
-and state). Anything else (no native build, other dtypes or shapes, every token's state asked for, a cache other
-than the engine's view) runs transformers' own code.
+and state). A bf16 model's inputs are widened to fp32: its prefill then computes what transformers' chunked form
+computes (in fp32, an fp32 output), its decode rounds to bf16 where transformers' recurrent form does (dt B, dt B x,
+the state read for the output, the output; the state itself stays fp32). Anything else (no native build, fp16 or a
+state not in fp32, other shapes, every token's state asked for, a cache other than the engine's view) runs
+transformers' own code.
 
 Invariant: the state updated in place is the `StateView`'s own (a copy read from the slots, or the slots' storage
 for a contiguous range of single-token rows, which the view writes back anyway).
@@ -39,7 +42,7 @@ class NativeScan:
     def __init__(self, path: Path):
         library = ctypes.CDLL(str(path))
         self.scan = library.ssd_scan_f32
-        self.scan.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6
+        self.scan.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7
         self.scan.restype = None
 
 
@@ -88,19 +91,23 @@ def _native(module, hidden_states, B, C, dt, cache: StateView, prefill: bool) ->
     if steps is None or recurrent == prefill or (prefill and cache.get_recurrent_states_to_keep(module.layer_idx)):
         return None
     heads, head_dim, groups, size = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
-    shape = (batch, heads, head_dim, size)
-    if heads % groups or (state is not None and state.shape != shape):
+    shape, dtype = (batch, heads, head_dim, size), hidden_states.dtype
+    half = dtype == torch.bfloat16 and not prefill  # transformers' recurrent form rounds to bf16 on the way
+    if (heads % groups or dtype not in (torch.float32, torch.bfloat16) or {B.dtype, C.dtype, dt.dtype} != {dtype}
+            or (state is not None and (state.shape != shape or state.dtype != torch.float32))
+            or (half and module.D is not None and module.D.dtype != dtype)):
         return None
-    step = torch.nn.functional.softplus(dt + module.dt_bias.to(dt.dtype))  # [B, T, H]
+    step = torch.nn.functional.softplus(dt + module.dt_bias.to(dt.dtype))  # [B, T, H], in the model's dtype
     if prefill:
         limit = getattr(module, "time_step_limit", None)
         if limit is None:
             return None
         step = torch.clamp(step, min=limit[0], max=limit[1])
     decay = torch.exp(step.float() * -torch.exp(module.A_log.float()))
-    x = hidden_states.reshape(batch, length, heads, head_dim).contiguous()
-    B, C = (t.reshape(batch, length, groups, size).contiguous() for t in (B, C))
-    D = module.D.contiguous() if module.D is not None else None
+    x = hidden_states.reshape(batch, length, heads, head_dim).float().contiguous()
+    B, C = (t.reshape(batch, length, groups, size).float().contiguous() for t in (B, C))
+    step = step.float().contiguous()
+    D = module.D.float().contiguous() if module.D is not None else None
     fresh = state is None
     state = torch.empty(shape) if fresh else state
     if not _ready(state, x, step, decay, B, C, *([] if D is None else [D])):
@@ -108,6 +115,7 @@ def _native(module, hidden_states, B, C, dt, cache: StateView, prefill: bool) ->
     out = torch.empty_like(x)
     steps.scan(state.data_ptr(), int(fresh), x.data_ptr(), step.data_ptr(), decay.data_ptr(), B.data_ptr(),
                C.data_ptr(), None if D is None else D.data_ptr(), out.data_ptr(), batch, length, heads, head_dim,
-               groups, size)
+               groups, size, int(half))
     cache.update_recurrent_state(state, module.layer_idx)
-    return out.view(batch, length, -1)
+    # (the chunked form returns fp32 whatever the model's dtype, the recurrent one the model's)
+    return out.view(batch, length, -1).to(torch.float32 if prefill else dtype)

@@ -50,16 +50,21 @@ def test_mixed_stacks_are_built_as_their_family_and_give_hfs_tokens(restore, arc
     assert paged["tokens"] == padded["tokens"] and [len(t) for t in paged["tokens"]] == [3, 3]
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1"])
-def test_mamba2_hybrids_are_built_as_their_family_and_give_hfs_tokens(restore, arch):
+@pytest.mark.parametrize("arch", ["nemotron_h", "falcon_h1", "lfm2", "falcon_mamba"])
+def test_state_space_hybrids_are_built_as_their_family_and_give_hfs_tokens(restore, arch):
     """--arch nemotron_h (Mamba-2 and MLP layers alternating, one attention layer in 8) / falcon_h1 (attention and a
-    Mamba-2 mixer side by side in every layer) at --small sizes: the family's model and sizes, HF padded's tokens."""
+    Mamba-2 mixer side by side in every layer) / lfm2 (short gated convolutions between attention layers) /
+    falcon_mamba (Mamba-1 mixers only) at --small sizes: the family's model and sizes, HF padded's tokens."""
     full, small = throughput_models.HYBRID_SETUPS[arch]
     assert throughput.workload(arch, False) is full and full["model"]["hidden"] == 512
     setup = dict(small, prompt_len=(8, 40))
     model = throughput.build_model(arch, setup["model"])
-    mixers = [m for m in model.modules() if hasattr(m, "ssm_state_size")]
-    assert model.config.model_type == arch and mixers and mixers[0].ssm_state_size == 16
+    assert model.config.model_type == arch
+    if arch == "lfm2":
+        assert model.config.layer_types == setup["model"]["layer_types"] and model.config.conv_L_cache == 3
+    else:
+        mixers = [m for m in model.modules() if hasattr(m, "ssm_state_size")]
+        assert mixers and mixers[0].ssm_state_size == 16
     if arch == "nemotron_h":
         assert model.config.layers_block_type == setup["model"]["layer_types"] and len(mixers) == 4
     args = SimpleNamespace(arch=arch, dtype="float32", max_tokens=3)

@@ -14,13 +14,15 @@ such runs; the full runs give each system a fresh process), about 10 s and 0.9 G
 attention, 8 heads / 2 KV heads of 64, linear attention 4 key / 8 value heads of 64, intermediate 1024, vocab 32000;
 `--small`: hidden 128, 4 layers), same prompts; `--arch nemotron_h`: Nemotron-H's pattern (Mamba-2 and MLP layers
 alternating, one attention layer in 8; 16 Mamba heads of 64, state 128, 2 groups); `--arch falcon_h1`: attention and
-a Mamba-2 mixer side by side in each of 8 layers (16 heads of 64, state 128). HF's `generate_batch` does not run
-linear-attention or Mamba layers, so the default systems there are hf_paged and hf_padded. `--arch gemma3_text |
-gemma2 | gpt_oss`: a stack mixing sliding-window and full-attention layers in that family's pattern (gemma 3: 5
-sliding : 1 full, window 512, head dim 256; gemma 2: alternating, window 4096, soft-capped scores and logits, head
-dim 256; gpt-oss: alternating, window 128, attention sinks, 8 experts, 2 per token), sizes near the Llama's
-(bench/throughput_models.py); `--arch mixtral`: the Llama's sizes with a mixture of 8 experts (2 per token, stored
-output-major as Mixtral and Qwen-MoE store them); default systems hf_paged and hf_padded.
+a Mamba-2 mixer side by side in each of 8 layers (16 heads of 64, state 128); `--arch lfm2`: LFM2's short gated
+convolutions (3-token window) in 5 of 8 layers, attention in the others; `--arch falcon_mamba`: Mamba-1 mixers only
+(8 layers, state 16, expand 2). HF's `generate_batch` does not run linear-attention or Mamba layers, so the default
+systems there are hf_paged and hf_padded. `--arch gemma3_text | gemma2 | gpt_oss`: a stack mixing sliding-window and
+full-attention layers in that family's pattern (gemma 3: 5 sliding : 1 full, window 512, head dim 256; gemma 2:
+alternating, window 4096, soft-capped scores and logits, head dim 256; gpt-oss: alternating, window 128, attention
+sinks, 8 experts, 2 per token), sizes near the Llama's (bench/throughput_models.py); `--arch mixtral`: the Llama's
+sizes with a mixture of 8 experts (2 per token, stored output-major as Mixtral and Qwen-MoE store them); default
+systems hf_paged and hf_padded.
 
 Workload: random-weight Llama (hidden 512, 8 layers, 8 heads, 2 KV heads, intermediate 1376, vocab 32000,
 fp32, sdpa), prompts of 16-200 random tokens (seed 0), `--max-tokens` new tokens each, greedy, EOS ignored.

@@ -1,7 +1,8 @@
-"""The throughput benchmark's random models (`--arch`) and their workloads: the standard Llama, hybrids of a
-family's shape (Gated DeltaNet + attention: `qwen3_5_text`; Mamba-2 + attention: `nemotron_h`, `falcon_h1`), stacks
-that mix sliding-window and full-attention layers in their family's own pattern (`gemma3_text`, `gemma2`,
-`gpt_oss`), a mixture of experts stored output-major (`mixtral`), each with `--small` sizes for smoke runs.
+"""The throughput benchmark's random models (`--arch`) and their workloads: the standard Llama, hybrids of a family's
+shape (Gated DeltaNet + attention: `qwen3_5_text`; Mamba-2 + attention: `nemotron_h`, `falcon_h1`; short convolutions
++ attention: `lfm2`; Mamba-1 only: `falcon_mamba`), stacks that mix sliding-window and full-attention layers in their
+family's own pattern (`gemma3_text`, `gemma2`, `gpt_oss`), a mixture of experts stored output-major (`mixtral`), each
+with `--small` sizes for smoke runs.
 
 Invariants:
 - Every arch runs the same prompts (16-200 random tokens, seed SEED) and new-token counts; only the model differs.
@@ -20,6 +21,7 @@ FULL = dict(model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads
 SMALL = dict(model=dict(vocab_size=1000, hidden=128, layers=2, heads=4, kv_heads=2, max_len=1024,
                         intermediate_size=344), prompt_len=(16, 200), requests=[4, 8], max_tokens=8)
 _THREE_TO_ONE = ["linear_attention"] * 3 + ["full_attention"]
+_LFM2 = ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "full_attention"]
 _NEMOTRON = ["linear_attention", "mlp"] * 2 + ["linear_attention", "full_attention", "linear_attention", "mlp"]
 # hybrids (hf_paged.tiny.HYBRIDS): the same workload, a model of the family's shape
 HYBRID_SETUPS = {
@@ -38,6 +40,20 @@ HYBRID_SETUPS = {
         dict(SMALL, model=dict(vocab_size=1000, hidden=128, layers=8, heads=4, kv_heads=2, max_len=1024, head_dim=32,
                                intermediate_size=344, layer_types=_NEMOTRON, mamba_num_heads=8, mamba_head_dim=32,
                                n_groups=1, ssm_state_size=16, chunk_size=16))),
+    # LFM2's pattern (short gated convolutions, attention every 2-3 layers), its 3-token convolution window
+    "lfm2": (
+        dict(FULL, model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024,
+                              intermediate_size=1376, block_auto_adjust_ff_dim=False, conv_L_cache=3,
+                              layer_types=_LFM2)),
+        dict(SMALL, model=dict(vocab_size=1000, hidden=128, layers=4, heads=4, kv_heads=2, max_len=1024,
+                               intermediate_size=344, block_auto_adjust_ff_dim=False, conv_L_cache=3,
+                               layer_types=_LFM2[:3] + ["full_attention"]))),
+    # Falcon-Mamba: Mamba-1 mixers only (no attention), state 16, expand 2
+    "falcon_mamba": (
+        dict(FULL, model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024,
+                              state_size=16, expand=2, conv_kernel=4, time_step_rank=32)),
+        dict(SMALL, model=dict(vocab_size=1000, hidden=128, layers=2, heads=4, kv_heads=2, max_len=1024,
+                               state_size=16, expand=2, conv_kernel=4, time_step_rank=8))),
     # Falcon-H1: attention and a Mamba-2 mixer side by side in every layer
     "falcon_h1": (
         dict(FULL, model=dict(vocab_size=32000, hidden=512, layers=8, heads=8, kv_heads=2, max_len=1024, head_dim=64,

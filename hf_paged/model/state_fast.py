@@ -1,8 +1,8 @@
 """Faster forwards for state modules whose transformers code calls the gated delta rule, the short-convolution
-helpers or the Mamba-2 selective scan (Qwen3.5, Qwen3-Next, OLMo-Hybrid, ...; the convolutions of Mamba-2, LFM2, ...;
-the scans of Mamba-2, Nemotron-H, Falcon-H1, Bamba, Granite-4 hybrids, Zamba2): the module's own forward with
-`gated_delta`'s and `ssd_scan`'s functions in place of transformers' torch reference code, chosen per module class by
-a check on first use.
+helpers or a Mamba selective scan (Qwen3.5, Qwen3-Next, OLMo-Hybrid, ...; the convolutions of Mamba-2, LFM2, ...;
+the scans of Mamba-2, Nemotron-H, Falcon-H1, Bamba, Granite-4 hybrids, Zamba2, and of Mamba, Falcon-Mamba, Jamba):
+the module's own forward with `gated_delta`'s, `ssd_scan`'s and `mamba_scan`'s functions in place of transformers'
+torch reference code, chosen per module class by a check on first use.
 
 The module's own forward still runs (its projections, gates, norms): `fast_forward` is a copy of its function whose
 globals name our functions in place of transformers' (`SUBSTITUTES`; where one function has a substitute per part,
@@ -34,7 +34,7 @@ import torch
 
 from ..kv.state import StateSlots
 from .gated_delta import chunk_rule, conv_step, recurrent_step
-from .ssd_scan import decode_scan, prefill_scan
+from . import mamba_scan, ssd_scan
 from .state_continuation import module_inputs
 from .state_layers import StateRun, StateView, cache_keyword, own_forward, run_module, split_arguments
 
@@ -43,10 +43,13 @@ logger = logging.getLogger("hf_paged")
 # substitutes: transformers' name in a modeling module (with "@part" where one function has a substitute per part,
 # applied in turn, each wrapping the one before) -> what makes our substitute from the function it replaces
 SUBSTITUTES = {"torch_recurrent_gated_delta_rule": recurrent_step, "causal_conv1d_forward": conv_step,
-               "torch_chunk_gated_delta_rule": chunk_rule, "mamba2_scan_forward@decode": decode_scan,
-               "mamba2_scan_forward@prefill": prefill_scan}
-DECODE = frozenset({"torch_recurrent_gated_delta_rule", "causal_conv1d_forward", "mamba2_scan_forward@decode"})
-PREFILL = frozenset({"torch_chunk_gated_delta_rule", "mamba2_scan_forward@prefill"})
+               "torch_chunk_gated_delta_rule": chunk_rule,
+               "mamba2_scan_forward@decode": ssd_scan.decode_scan, "mamba2_scan_forward@prefill": ssd_scan.prefill_scan,
+               "mamba_scan_forward@decode": mamba_scan.decode_scan,
+               "mamba_scan_forward@prefill": mamba_scan.prefill_scan}
+DECODE = frozenset({"torch_recurrent_gated_delta_rule", "causal_conv1d_forward", "mamba2_scan_forward@decode",
+                    "mamba_scan_forward@decode"})
+PREFILL = frozenset({"torch_chunk_gated_delta_rule", "mamba2_scan_forward@prefill", "mamba_scan_forward@prefill"})
 SWITCH = "HF_PAGED_STATE_FAST"  # "fast" / "own": skip the timing (the agreement check still runs)
 TIMING_BATCH, TIMING_LENGTH = 32, 128
 MARGIN = 0.05  # a part must be more than 5 % faster to be taken

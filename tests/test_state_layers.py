@@ -45,3 +45,27 @@ def test_a_view_keeps_a_stored_state_it_handed_out_without_a_copy():
     assert view.update_recurrent_state(state, 0) is state
     other = torch.zeros(2, 3)
     assert view.update_recurrent_state(other, 0) is not other  # anything else is copied
+
+
+def test_on_views_runs_the_native_part_only_on_a_state_view():
+    """`on_views`: the native function where the last positional argument is a `StateView` and it gives an output;
+    transformers' function, as called, for another cache, a cache passed by keyword, or a native None."""
+    from hf_paged.model.state_layers import StateView, on_views
+
+    view = StateView.__new__(StateView)
+    calls = []
+
+    def native(module, x, cache, prefill):
+        calls.append(("native", prefill))
+        return None if x == "decline" else "native out"
+
+    def original(module, x, cache, **kwargs):
+        calls.append(("original", cache is view, kwargs))
+        return "own out"
+
+    scan = on_views(native, prefill=True)(original)
+    assert scan("m", "x", view) == "native out" and calls == [("native", True)]
+    assert scan("m", "x", object(), flag=1) == "own out" and calls[-1] == ("original", False, {"flag": 1})
+    assert scan("m", "decline", view) == "own out" and calls[-2:] == [("native", True), ("original", True, {})]
+    calls.clear()
+    assert scan("m", "x", cache=view) == "own out" and calls == [("original", True, {})]

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from .state_layers import StateView
+from .state_layers import StateView, on_views
 
 SOURCE = Path(__file__).with_name("cpu") / "mamba_scan.c"
 # every rounding as written; no traps assumed, so that the exponential's float -> int steps vectorize
@@ -50,28 +50,9 @@ def native_scan() -> NativeScan | None:
     return native.load(SOURCE, "HF_PAGED_MAMBA_KERNEL", NativeScan, FLAGS)[0]
 
 
-def decode_scan(original):
-    """transformers' `mamba_scan_forward`, its decode step native on a `StateView` (see the module doc)."""
-    @torch.compiler.disable  # calls native code through raw pointers: never traced by dynamo (a compiled model)
-    def scan(module, hidden_states, time_step, B, C, gate, cache, **kwargs):
-        if isinstance(cache, StateView):
-            out = _native(module, hidden_states, time_step, B, C, gate, cache, prefill=False)
-            if out is not None:
-                return out
-        return original(module, hidden_states, time_step, B, C, gate, cache, **kwargs)
-    return scan
-
-
-def prefill_scan(original):
-    """transformers' `mamba_scan_forward`, a fresh sequence's tokens native on a `StateView` (see the module doc)."""
-    @torch.compiler.disable
-    def scan(module, hidden_states, time_step, B, C, gate, cache, **kwargs):
-        if isinstance(cache, StateView):
-            out = _native(module, hidden_states, time_step, B, C, gate, cache, prefill=True)
-            if out is not None:
-                return out
-        return original(module, hidden_states, time_step, B, C, gate, cache, **kwargs)
-    return scan
+# transformers' `mamba_scan_forward`, its decode step / its prefill native on a `StateView` (see the module doc)
+decode_scan = on_views(lambda *args, prefill: _native(*args, prefill=prefill), prefill=False)
+prefill_scan = on_views(lambda *args, prefill: _native(*args, prefill=prefill), prefill=True)
 
 
 def _native(module, hidden_states, time_step, B, C, gate, cache: StateView, prefill: bool) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .. import native
-from .state_layers import StateView
+from .state_layers import StateView, on_views
 
 SOURCE = Path(__file__).with_name("cpu") / "ssd_scan.c"
 
@@ -56,29 +56,9 @@ def _ready(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
-def decode_scan(original):
-    """transformers' `mamba2_scan_forward`, its decode step native on a `StateView` (see the module doc)."""
-    @torch.compiler.disable  # calls native code through raw pointers: never traced by dynamo (a compiled model)
-    def scan(module, hidden_states, B, C, dt, cache, **kwargs):
-        if isinstance(cache, StateView):
-            out = _native(module, hidden_states, B, C, dt, cache, prefill=False)
-            if out is not None:
-                return out
-        return original(module, hidden_states, B, C, dt, cache, **kwargs)
-    return scan
-
-
-def prefill_scan(original):
-    """transformers' `mamba2_scan_forward`, its prefill (several tokens) native on a `StateView` (see the module
-    doc)."""
-    @torch.compiler.disable
-    def scan(module, hidden_states, B, C, dt, cache, **kwargs):
-        if isinstance(cache, StateView):
-            out = _native(module, hidden_states, B, C, dt, cache, prefill=True)
-            if out is not None:
-                return out
-        return original(module, hidden_states, B, C, dt, cache, **kwargs)
-    return scan
+# transformers' `mamba2_scan_forward`, its decode step / its prefill native on a `StateView` (see the module doc)
+decode_scan = on_views(lambda *args, prefill: _native(*args, prefill=prefill), prefill=False)
+prefill_scan = on_views(lambda *args, prefill: _native(*args, prefill=prefill), prefill=True)
 
 
 def _native(module, hidden_states, B, C, dt, cache: StateView, prefill: bool) -> torch.Tensor | None:

@@ -242,6 +242,23 @@ class StateView:
                     checkpoints.write((self.layer, kind, index), marks[kept], value.index_select(0, kept))
 
 
+def on_views(native, prefill: bool):
+    """A substitute factory for a transformers scan function `f(module, *inputs, cache, **kwargs)` (cache the last
+    positional argument): `native(module, *inputs, cache, prefill=prefill)` where the cache is a `StateView` and it
+    returns an output, else the function it replaces (`original`), as called (also for a cache passed by keyword).
+    Native code behind raw pointers: never traced by dynamo (a compiled model)."""
+    def factory(original):
+        @torch.compiler.disable
+        def scan(module, *args, **kwargs):
+            if args and isinstance(args[-1], StateView):
+                out = native(module, *args, prefill=prefill)
+                if out is not None:
+                    return out
+            return original(module, *args, **kwargs)
+        return scan
+    return factory
+
+
 def state_forward(layer: int, cache_keyword: str, continuation: str = AS_IS, fast=None):
     """A `ModulePatches` adapter factory: the module's forward on a packed step, one call per `StateRun` (a
     continuation as `continuation` says), through `fast` where given (a faster forward of the module that

@@ -209,3 +209,15 @@ def chunk_blind(right):
         within = torch.arange(rows, device=cu.device) - cu[:-1].repeat_interleave(query_lens)
         return torch.where(query_lens.repeat_interleave(query_lens) > 1, within, right(metadata))
     return positions
+
+
+@pytest.fixture
+def always_fast(monkeypatch):
+    """State modules take every faster forward that agrees with their own, untimed (`HF_PAGED_STATE_FAST=fast`)."""
+    monkeypatch.setenv("HF_PAGED_STATE_FAST", "fast")
+
+
+def greedy_alone(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF `generate`'s greedy new tokens for each prompt run alone (no padding, EOS ignored)."""
+    return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]

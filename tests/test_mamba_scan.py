@@ -14,17 +14,12 @@ from hf_paged.model.state_layers import StateRun, StateView
 from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import tiny_hybrid
 
-from conftest import assert_same_as_hf, left_padded_batch
+from conftest import assert_same_as_hf, greedy_alone, left_padded_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAMBA = ("mamba", "falcon_mamba", "jamba")  # every family calling it
 DECODE, PREFILL = "mamba_scan_forward@decode", "mamba_scan_forward@prefill"
 needs_kernel = pytest.mark.skipif(mamba_scan.native_scan() is None, reason="no C compiler")
-
-
-@pytest.fixture
-def always_fast(monkeypatch):
-    monkeypatch.setenv(state_fast.SWITCH, "fast")
 
 
 def native_calls(monkeypatch) -> list:
@@ -96,21 +91,17 @@ def test_exact_under_pressure(monkeypatch, always_fast):
     gen = torch.Generator().manual_seed(6)
     params = hf_paged.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
-    def alone(prompts):
-        return [model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
-
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17, 9)]
     llm = hf_paged.LLM(model, num_blocks=10, block_size=4, max_num_batched_tokens=6, max_num_seqs=3,
                        long_prefill_token_threshold=4)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == alone(prompts)
+    assert [list(o.outputs[0].token_ids) for o in outs] == greedy_alone(model, prompts, 10)
     assert llm.engine.stats()["num_preemptions"] > 0
     shared = torch.randint(3, 256, (70,), generator=gen).tolist()
     prompts = [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 13)]
     llm = hf_paged.LLM(model, num_blocks=96, block_size=4)
     outs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
-    assert outs == alone(prompts)
+    assert outs == greedy_alone(model, prompts, 10)
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
     assert (1, 0) in calls and any(length > 1 for length, _ in calls)
 

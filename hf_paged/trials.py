@@ -39,6 +39,13 @@ from typing import Any, Callable, Hashable
 SAMPLES = 5  # counted calls of each candidate before a choice (after one warm-up call each)
 DROP = 2.0  # a candidate this many times slower than the leader in its warm-up and first counted call is out
 LONG_DROP, LONG_S = 1.2, 0.005  # ... or this many times, where the leader's call takes LONG_S or more
+class Recorded:
+    """How many trial calls every table of the process has recorded (`Table.record`; state_fast's own timing too):
+    a stretch of work during which it did not move ran only chosen paths (`model.step_choice` times such steps)."""
+    calls = 0
+
+
+recorded = Recorded()
 MARGIN = 0.05  # a fast path must beat the baseline by more than this fraction of its time to be chosen
 clock = time.perf_counter
 
@@ -146,6 +153,7 @@ class Table:
             trial = self.trials.get(key)
             if trial is None or key in self.choices:
                 return None
+            recorded.calls += 1
             each = trial.add(name, seconds)
             if each is None:
                 return None

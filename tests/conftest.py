@@ -180,6 +180,13 @@ def pytest_terminal_summary(terminalreporter):
             f"< {MARGIN}; at most {MAX_FORGIVEN_PER_SESSION} allowed per session): {FORGIVEN}", red=over)
 
 
+@pytest.fixture(autouse=True)
+def fast_steps(monkeypatch):
+    """Every step runs the CPU fast paths (`HF_PAGED_STEP_CHOICE=fast`): on these tiny models a measured choice
+    (model/step_choice.py, tested in test_step_choice.py) would often run plain steps and leave the paths untested."""
+    monkeypatch.setenv("HF_PAGED_STEP_CHOICE", "fast")
+
+
 @pytest.fixture
 def restore():
     """Puts back torch's thread count and hf_paged's take-over after a test that changes them (benchmark workers)."""

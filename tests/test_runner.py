@@ -55,7 +55,7 @@ def test_forked_samples_take_their_parents_row(runner, monkeypatch):
     plan = StepPlan(requests=[parent, other], num_new_tokens=[3, 2], sampled=[parent, other, child],
                     sample_sources=[0, 1, 0])
 
-    def execute(inputs, greedy=None):  # no forward: sampled row j's logits peak at the packed row it came from
+    def execute(inputs, greedy=None, fast=True):  # no forward: sampled row j's logits peak at the packed row it came from
         rows = inputs.sample_rows.tolist()
         logits = torch.zeros(len(rows), 16)
         logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
@@ -78,7 +78,7 @@ def test_forked_samples_take_their_parents_pick(runner, monkeypatch):
 
     step = Step()
 
-    def execute(inputs, greedy=None):
+    def execute(inputs, greedy=None, fast=True):
         greedy.token_ids = inputs.sample_rows.clone()  # sampled row j picks the packed row it came from
         return None
 

@@ -86,6 +86,20 @@ def test_a_wrong_substitute_is_not_taken(monkeypatch, always_fast, name, wrong):
     assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)
 
 
+def test_a_modules_trial_runs_count_as_recorded_trial_calls(monkeypatch):
+    """A step in which a state module's substitutes are checked and timed is not a step of chosen paths only."""
+    from hf_paged import trials
+
+    monkeypatch.delenv(state_fast.SWITCH, raising=False)
+    counts = []
+    original = state_fast._Trial.agrees
+    monkeypatch.setattr(state_fast._Trial, "agrees",
+                        lambda self, *args: counts.append(trials.recorded.calls) or original(self, *args))
+    before = trials.recorded.calls
+    hf_paged.LLM(tiny_hybrid("qwen3_next")).generate([[5, 9, 14, 3, 22, 7]], hf_paged.SamplingParams(max_tokens=2))
+    assert counts and counts[0] > before
+
+
 def test_switch_own_keeps_the_modules_forward(monkeypatch):
     monkeypatch.setenv(state_fast.SWITCH, "own")
     model = tiny_hybrid("qwen3_next")

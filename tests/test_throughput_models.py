@@ -71,3 +71,20 @@ def test_state_space_hybrids_are_built_as_their_family_and_give_hfs_tokens(resto
     paged = throughput.measure("hf_paged", 2, args, setup, 1)
     padded = throughput.measure("hf_padded", 2, args, setup, 1)
     assert paged["tokens"] == padded["tokens"] and [len(t) for t in paged["tokens"]] == [3, 3]
+
+
+def test_the_dense_model_has_the_released_models_sizes_and_gives_hfs_tokens(restore):
+    """--arch qwen2.5-0.5b: Qwen2 at Qwen2.5-0.5B's sizes (tied embeddings, q / k / v biases); at --small sizes
+    hf_paged gives HF padded generate's tokens."""
+    family, full, small = throughput_models.DENSE_SETUPS["qwen2.5-0.5b"]
+    assert throughput.workload("qwen2.5-0.5b", False) is full and throughput.workload("qwen2.5-0.5b", True) is small
+    assert (full["model"]["hidden"], full["model"]["layers"], full["model"]["vocab_size"]) == (896, 24, 151936)
+    setup = dict(small, prompt_len=(8, 40))
+    model = throughput.build_model("qwen2.5-0.5b", setup["model"])
+    assert model.config.model_type == family == "qwen2" and model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    args = SimpleNamespace(arch="qwen2.5-0.5b", dtype="float32", max_tokens=3)
+    paged = throughput.measure("hf_paged", 2, args, setup, 1)
+    padded = throughput.measure("hf_padded", 2, args, setup, 1)
+    assert paged["tokens"] == padded["tokens"] and [len(t) for t in paged["tokens"]] == [3, 3]

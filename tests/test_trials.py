@@ -133,6 +133,18 @@ def test_a_settled_choice_is_kept_and_the_first_one_wins():
     assert not table.choices and not table.trials and table.next_call("k", {"a": 1, "b": 2}) == "a"
 
 
+def test_only_trial_calls_are_counted_as_recorded():
+    table, before = Table(BASELINE), trials.recorded.calls
+    table.record("k", "a", 1.0)  # no trial open
+    assert trials.recorded.calls == before
+    name = table.next_call("k", {"a": 1, "b": 2})
+    table.record("k", name, 1.0)
+    assert trials.recorded.calls == before + 1
+    table.settle("k", Choice("a", {}, "forced"))
+    table.record("k", "a", 1.0)  # chosen meanwhile
+    assert trials.recorded.calls == before + 1
+
+
 def test_timed_runs_untimed_without_a_name_and_times_a_trial_call(monkeypatch):
     now = [0.0]
 

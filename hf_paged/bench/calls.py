@@ -92,8 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(["model", "rows", "HF ms/call", "paged ms/call", "paged / HF", "CPU time ratio", "same tokens"],
                        [[r["model"], r["rows"], r["hf_ms"], r["paged_ms"], r["ratio"], r["cpu_ratio"],
                          r["same_tokens"]] for r in results]))
+    from hf_paged.model.step_choice import step_choices
+
+    steps = step_choices()  # whether the paged steps ran the CPU fast paths, per row bucket (measured here)
+    for c in steps:
+        print(f"paged steps of <={c['rows']} rows ({c['model']}): {c['path']} ("
+              + ", ".join(f"{n} {ms:.3f} ms" for n, ms in c["ms"].items()) + ")")
     path = write_json(args.json, {"benchmark": "calls", "machine": machine, "load": machine_load(),
-                                  "threads": threads, "results": results})
+                                  "threads": threads, "results": results, "step_paths": steps})
     print(f"results written to {path}")
     return 0 if all(r["same_tokens"] for r in results) else 1
 

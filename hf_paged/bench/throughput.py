@@ -85,10 +85,11 @@ def warmup_tokens() -> int:
 
 
 def open_trials() -> int:
-    """How many of hf_paged's trials of few-row products are still open in this process."""
-    from ..model.linear_choice import TABLE
+    """How many of hf_paged's trials of few-row products, and of steps with or without the fast paths, are still open
+    in this process."""
+    from ..model import linear_choice, step_choice
 
-    return len(TABLE.trials)
+    return len(linear_choice.TABLE.trials) + len(step_choice.TABLE.trials)
 
 
 def other_tokens(prompts: list[list[int]], vocab: int, seed: int) -> list[list[int]]:
@@ -236,6 +237,9 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
         from hf_paged.model.expert_products import expert_choices
 
         extra["expert_products"] = expert_choices()
+        from hf_paged.model.step_choice import step_choices
+
+        extra["step_paths"] = step_choices()
         extra["warmups"], extra["open_trials"] = len(warmups), open_trials()
     return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "threads": threads, **extra,

@@ -1,15 +1,16 @@
 """The throughput benchmark's random models (`--arch`) and their workloads: the standard Llama, hybrids of a family's
 shape (Gated DeltaNet + attention: `qwen3_5_text`; Mamba-2 + attention: `nemotron_h`, `falcon_h1`; short convolutions
 + attention: `lfm2`; Mamba-1 only: `falcon_mamba`), stacks that mix sliding-window and full-attention layers in their
-family's own pattern (`gemma3_text`, `gemma2`, `gpt_oss`), a mixture of experts stored output-major (`mixtral`), each
-with `--small` sizes for smoke runs.
+family's own pattern (`gemma3_text`, `gemma2`, `gpt_oss`), a mixture of experts stored output-major (`mixtral`), a
+dense model at a released model's sizes (`qwen2.5-0.5b`), each with `--small` sizes for smoke runs.
 
 Invariants:
 - Every arch runs the same prompts (16-200 random tokens, seed SEED) and new-token counts; only the model differs.
 - A model dict's generic keys are vocab_size, hidden, layers, heads, kv_heads, max_len (and `window` for the mixed
   stacks: their sliding layers' window, llama4-style chunks not included); every other key is a field of the
   family's own config. `layers` of a mixed stack is the length of its `layer_types`.
-- Sizes stay near the standard workload's (hidden 512, vocab 32000) so that runs compare; the attention shapes are
+- Sizes stay near the standard workload's (hidden 512, vocab 32000) so that runs compare (but the released model's
+  sizes of DENSE_SETUPS); the attention shapes are
   the family's own where they set its cost (gemma: head dim 256; gpt-oss: sinks, 128-token windows, a mixture of
   experts, here 8 experts, 2 per token).
 """
@@ -100,13 +101,22 @@ MOE_SETUPS = {
                 dict(SMALL, model=dict(SMALL["model"], intermediate_size=128, num_local_experts=4,
                                        num_experts_per_tok=2))),
 }
-ARCHS = ("llama", *HYBRID_SETUPS, *MIXED_SETUPS, *MOE_SETUPS)
+# a dense model at a released model's own sizes (Qwen2.5-0.5B: q / k / v biases, tied 151,936-token embeddings), random
+# weights: what the standard workload's small sizes do not show (24 layers, an LM head of 136 M weights)
+DENSE_SETUPS = {
+    "qwen2.5-0.5b": ("qwen2", dict(FULL, model=dict(vocab_size=151936, hidden=896, layers=24, heads=14, kv_heads=2,
+                                                    max_len=1024, intermediate_size=4864, tie_word_embeddings=True)),
+                     dict(SMALL, model=dict(SMALL["model"], tie_word_embeddings=True))),
+}
+ARCHS = ("llama", *HYBRID_SETUPS, *MIXED_SETUPS, *MOE_SETUPS, *DENSE_SETUPS)
 
 
 def workload(arch: str, small: bool) -> dict:
     """The model sizes, prompt lengths and default counts of one run."""
     if arch == "llama":
         return SMALL if small else FULL
+    if arch in DENSE_SETUPS:
+        return DENSE_SETUPS[arch][2 if small else 1]
     setups = next(group for group in (HYBRID_SETUPS, MIXED_SETUPS, MOE_SETUPS) if arch in group)
     return setups[arch][1 if small else 0]
 
@@ -117,6 +127,8 @@ def build_model(arch: str, sizes: dict):
 
     if arch == "llama" or arch in MOE_SETUPS:
         return tiny_model(arch, seed=SEED, sharpen=1.0, **sizes)
+    if arch in DENSE_SETUPS:
+        return tiny_model(DENSE_SETUPS[arch][0], seed=SEED, sharpen=1.0, **sizes)
     rest = dict(sizes)
     generic = {name: rest.pop(key) for key, name in (("vocab_size", "vocab_size"), ("hidden", "hidden"),
                ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"))}

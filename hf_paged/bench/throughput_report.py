@@ -18,7 +18,8 @@ def print_fused(results: list[dict]) -> None:
     """The native RMSNorm and rotary passes each hf_paged worker's engine took (fused_norms / fused_rotary), and the
     path its CPU decode attention took per layer shape (attention/decode_choice) and its fresh prompts' attention per
     shape and prompt-length bucket (attention/prefill_kernel), and its mixture experts' products per weight and
-    row bucket (model/expert_products)."""
+    row bucket (model/expert_products), and whether its steps ran those paths at all, per row bucket
+    (model/step_choice)."""
     for r in results:
         if fused := r.get("fused"):
             print(f"\nfused passes in hf_paged's worker, {r['requests']} requests: RMSNorm on {fused['norms']} modules "
@@ -44,6 +45,11 @@ def print_fused(results: list[dict]) -> None:
         if experts:
             print(f"expert products in hf_paged's worker, {r['requests']} requests, "
                   f"{r['expert_products'][0]['threads']} threads: {'; '.join(experts)}")
+        steps = [f"<={c['rows']} rows {c['path']} (" + ", ".join(f"{n} {ms:.2f} ms" for n, ms in c["ms"].items()) + ")"
+                 for c in r.get("step_paths", [])]
+        if steps:
+            print(f"steps with the fast paths on or off (plain) in hf_paged's worker, {r['requests']} requests: "
+                  + "; ".join(steps))
 
 
 def print_small_linears(results: list[dict]) -> None:

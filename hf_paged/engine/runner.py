@@ -12,7 +12,7 @@ from ..kv import NULL_BLOCK, KVCache
 from ..kv.state import StateSlots
 from ..kv.slots import slots_of
 from ..model import (ExpertProducts, FusedLayers, FusedNorms, FusedRotary, ModelSpec, PagedForwardContext,
-                     SmallBatchLinears, forward_lock, paged_attention_active, require_enabled)
+                     SmallBatchLinears, StepChoice, forward_lock, paged_attention_active, require_enabled)
 from ..model.greedy_head import returned_untouched
 from ..model.state_layers import StateStep
 from ..sampling import Sampler, picks_by_argmax
@@ -57,6 +57,7 @@ class ModelRunner:
         self.rotary = FusedRotary(model)  # and their rotary embeddings
         self.layers = FusedLayers(model)  # Llama-coded decoder layers of few-row CPU steps in joined products
         self.experts = ExpertProducts(model)  # a mixture's fp32 expert products on the measured faster path
+        self.choice = StepChoice(model, self.device)  # whether a step runs those five at all (measured per rows)
         self.layer_calls: dict = {}  # what each attention module's calls need, found in the first step (LayerCall)
         self.num_attention_layers = len(spec.kv.stored_layers)  # calls a forward makes (the start-up check's count)
         # decode-only steps padded to a bucket and replayed as CUDA graphs (None: every step eager; see cuda_graphs.py)
@@ -70,19 +71,24 @@ class ModelRunner:
         """Forward pass and sampling for one step (the plan's block moves have run)."""
         started = time.perf_counter()
         inputs = self.prepare(plan)
-        greedy = self.greedy_step(plan, inputs)
-        logits = self.execute(inputs, greedy)
+        fast, trial = self.choice.next(inputs.input_ids.shape[-1] if isinstance(inputs, StepInputs) else None)
+        results = self._run(plan, sampler, inputs, fast)
+        elapsed = time.perf_counter() - started
+        self.choice.record(trial, elapsed)
+        return StepOutcome(results, elapsed)
+
+    def _run(self, plan: StepPlan, sampler: Sampler, inputs, fast: bool) -> list[Sampled]:
+        greedy = self.greedy_step(plan, inputs) if fast else None
+        logits = self.execute(inputs, greedy, fast)
         rows = {batch_index: row for row, batch_index in enumerate(inputs.sampled)}
         index = [rows[source] for source in plan.sample_sources]
         if greedy is not None and greedy.token_ids is not None:  # the head's picks: every request takes its argmax
             picks = greedy.token_ids.tolist()
             self.greedy_picks += 1
-            results = [Sampled(token=picks[row]) for row in index]
-            return StepOutcome(results, time.perf_counter() - started)
+            return [Sampled(token=picks[row]) for row in index]
         if index != list(range(len(inputs.sampled))):  # forked samples share their parent's row
             logits = logits[torch.tensor(index, device=logits.device)]
-        results = sample_step(sampler, plan.sampled, logits)
-        return StepOutcome(results, time.perf_counter() - started)
+        return sample_step(sampler, plan.sampled, logits)
 
     def greedy_step(self, plan: StepPlan, inputs):
         """A request for the LM head's picks (greedy_head.GreedyStep) when every sampled request of the step takes
@@ -154,22 +160,24 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs | PaddedDecode, greedy=None) -> torch.Tensor | None:
+    def execute(self, inputs: StepInputs | PaddedDecode, greedy=None, fast: bool = True) -> torch.Tensor | None:
         """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows; with `greedy`: in
-        the model's dtype), or None when the head gave `greedy` its picks instead."""
+        the model's dtype), or None when the head gave `greedy` its picks instead. `fast`: with the CPU fast paths
+        (`StepChoice`)."""
         require_enabled()  # after hf_paged.disable(), also for replayed graphs: HfPagedDisabled, naming enable()
         if isinstance(inputs, PaddedDecode):
             return self.graphs.run(inputs)
         return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows,
-                            inputs.token_type_ids, inputs.states, inputs.group_metadata, greedy)
+                            inputs.token_type_ids, inputs.states, inputs.group_metadata, greedy, fast)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
                 sample_rows: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
                 states: StateStep | None = None, group_metadata: list[AttentionMetadata] | None = None,
-                greedy=None) -> torch.Tensor | None:
+                greedy=None, fast: bool = True) -> torch.Tensor | None:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
         decode graphs (captured or not) both run exactly this. With `greedy` (`greedy_step`), None when the LM head
-        gave its picks (`greedy.token_ids`) instead of logits, else the logits in the model's own dtype."""
+        gave its picks (`greedy.token_ids`) instead of logits, else the logits in the model's own dtype. Not `fast`:
+        without the CPU fast paths (no forward swapped; `StepChoice`)."""
         context = PagedForwardContext(metadata, self.kv_cache, self.backends, states=states,
                                       group_metadata=group_metadata, layer_calls=self.layer_calls)
         kwargs = {}
@@ -179,16 +187,21 @@ class ModelRunner:
             kwargs["token_type_ids"] = token_type_ids
         rows = input_ids.shape[-1]
         head_rows = rows if sample_rows is None or not self.spec.accepts_logits_to_keep else sample_rows.shape[0]
-        with forward_lock(self.model), paged_attention_active(self.spec.configs), \
-                self.linears.active(rows, head_rows, greedy), \
-                self.norms.active(), self.rotary.active(), self.layers.active(), self.experts.active():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                             paged_context=context, **kwargs)
+        with forward_lock(self.model), paged_attention_active(self.spec.configs):
+            if fast:
+                with self.linears.active(rows, head_rows, greedy), self.norms.active(), self.rotary.active(), \
+                        self.layers.active(), self.experts.active():
+                    out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                     paged_context=context, **kwargs)
+            else:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                 paged_context=context, **kwargs)
         if context.num_calls != self.num_attention_layers:
-            raise RuntimeError(f"{context.num_calls} attention calls reached the paged KV cache in this step, where the "
-                               f"model's {self.num_attention_layers} attention layers each made one when the engine "
-                               f"started (a module replaced since, with a config of its own, or code that changed?): "
-                               f"the step is undone rather than computed without the cache; build a new engine")
+            raise RuntimeError(f"{context.num_calls} attention calls reached the paged KV cache in this step, where "
+                               f"the model's {self.num_attention_layers} attention layers each made one when the "
+                               f"engine started (a module replaced since, with a config of its own, or code that "
+                               f"changed?): the step is undone rather than computed without the cache; build a new "
+                               f"engine")
         if greedy is not None and self._head_picked(greedy, out.logits):
             return None
         logits = out.logits[0]

@@ -12,6 +12,7 @@ from .paged_forward import PagedForwardContext, attention_implementation, paged_
 from .probe import check_paged_matches_model
 from .small_linear import SmallBatchLinears
 from .spec import ModelSpec, describe_model
+from .step_choice import StepChoice
 from .switches import HfPagedDisabled, require_enabled
 
 

@@ -32,6 +32,7 @@ import types
 
 import torch
 
+from .. import trials
 from ..kv.state import StateSlots
 from .gated_delta import chunk_rule, conv_step, recurrent_step
 from . import mamba_scan, ssd_scan
@@ -124,6 +125,7 @@ def _choose(module: torch.nn.Module, layer: int, call: tuple | None, dtype: torc
         if hidden_states.shape[1] < 4:
             return frozenset()
         trial = _Trial(layer, keyword, per_row, model_type, hidden_states)
+        trials.recorded.calls += 1  # this step also ran the module's trial runs (step_choice does not time it)
         if not trial.agrees(own, fast_forward(module, names), TOLERANCE.get(dtype, HALF_TOLERANCE)):
             logger.info("hf_paged: %s's faster state forward differs from its own; it runs its own",
                         type(module).__name__)

@@ -88,3 +88,5 @@ def test_the_dense_model_has_the_released_models_sizes_and_gives_hfs_tokens(rest
     paged = throughput.measure("hf_paged", 2, args, setup, 1)
     padded = throughput.measure("hf_padded", 2, args, setup, 1)
     assert paged["tokens"] == padded["tokens"] and [len(t) for t in paged["tokens"]] == [3, 3]
+    params = paged["params"]  # the tied head's weight is the embedding's: not taken from the body twice
+    assert params["non_embedding"] == params["total"] - params["embedding"] == params["active_non_embedding"]

@@ -219,9 +219,10 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
     start, cpu_start = time.perf_counter(), time.process_time()
     tokens = runner(prompts, args.max_tokens)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-    embed = model.get_input_embeddings().weight.numel()
-    head = model.get_output_embeddings().weight.numel()
+    embed_weight, head_weight = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    embed, head = embed_weight.numel(), head_weight.numel()
     total = sum(p.numel() for p in model.parameters())
+    body = total - embed - (0 if head_weight is embed_weight else head)  # a tied head: the embedding's weight, once
     extra = {}
     if system == "hf_paged":  # what the few-row linears chose, measured on this machine in this process
         from hf_paged.model.small_linear import small_linear_choices, small_linear_status
@@ -244,8 +245,8 @@ def measure(system: str, n: int, args, setup: dict, threads: int) -> dict:
     return {"system": system, "requests": len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
             "threads": threads, **extra,
             "output_tokens": sum(len(t) for t in tokens), "peak_rss_mb": peak_rss_mb(), "tokens": tokens,
-            "params": {"total": total, "embedding": embed, "lm_head": head, "non_embedding": total - embed - head,
-                       "active_non_embedding": total - embed - head - idle_expert_params(model)}}
+            "params": {"total": total, "embedding": embed, "lm_head": head, "non_embedding": body,
+                       "active_non_embedding": body - idle_expert_params(model)}}
 
 
 def idle_expert_params(model) -> int:

@@ -228,3 +228,24 @@ def greedy_alone(model, prompts: list[list[int]], max_new_tokens: int) -> list[l
     """HF `generate`'s greedy new tokens for each prompt run alone (no padding, EOS ignored)."""
     return [model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def exact_under_pressure(model, seed: int, modes=("recompute", "swap")) -> None:
+    """Chunked prefill smaller than a prompt, preemption in each of `modes` (None: the engine's default), prefix hits
+    (a state restored from a checkpoint): each run gives the greedy tokens of HF on each prompt alone."""
+    gen = torch.Generator().manual_seed(seed)
+    params = hf_paged.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17, 9)]
+    for mode in modes:
+        options = {} if mode is None else dict(preemption_mode=mode, swap_space=1 << 20)
+        llm = hf_paged.LLM(model, num_blocks=10, block_size=4, max_num_batched_tokens=6, max_num_seqs=3,
+                           long_prefill_token_threshold=4, **options)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == greedy_alone(model, prompts, 10)
+        assert llm.engine.stats()["num_preemptions"] > 0
+    shared = torch.randint(3, 256, (70,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 13)]
+    llm = hf_paged.LLM(model, num_blocks=96, block_size=4)
+    outs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+    assert outs == greedy_alone(model, prompts, 10)
+    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0

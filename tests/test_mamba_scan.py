@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_paged
 from hf_paged.kv.state import StateSlots
 from hf_paged.model import mamba_scan, state_fast
 from hf_paged.model.state_layers import StateRun, StateView
 from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import tiny_hybrid
 
-from conftest import assert_same_as_hf, greedy_alone, left_padded_batch
+from conftest import assert_same_as_hf, exact_under_pressure, left_padded_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAMBA = ("mamba", "falcon_mamba", "jamba")  # every family calling it
@@ -87,22 +86,7 @@ def test_exact_under_pressure(monkeypatch, always_fast):
     """Chunked prefill smaller than a prompt (later pieces token by token from the stored state), preemption by
     recompute, prefix hits (the state restored from a checkpoint): the tokens of HF alone."""
     calls = native_calls(monkeypatch)
-    model = tiny_hybrid("falcon_mamba")
-    gen = torch.Generator().manual_seed(6)
-    params = hf_paged.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17, 9)]
-    llm = hf_paged.LLM(model, num_blocks=10, block_size=4, max_num_batched_tokens=6, max_num_seqs=3,
-                       long_prefill_token_threshold=4)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == greedy_alone(model, prompts, 10)
-    assert llm.engine.stats()["num_preemptions"] > 0
-    shared = torch.randint(3, 256, (70,), generator=gen).tolist()
-    prompts = [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 13)]
-    llm = hf_paged.LLM(model, num_blocks=96, block_size=4)
-    outs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
-    assert outs == greedy_alone(model, prompts, 10)
-    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+    exact_under_pressure(tiny_hybrid("falcon_mamba"), seed=6, modes=(None,))
     assert (1, 0) in calls and any(length > 1 for length, _ in calls)
 
 

@@ -13,7 +13,7 @@ from hf_paged.model.state_layers import StateRun, StateView
 from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import tiny_hybrid
 
-from conftest import assert_same_as_hf, greedy_alone, left_padded_batch
+from conftest import assert_same_as_hf, exact_under_pressure, left_padded_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAMBA2 = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "mamba2")  # every family calling it
@@ -174,23 +174,7 @@ def test_exact_under_pressure(monkeypatch, always_fast):
     """Chunked prefill smaller than a prompt (the prefill scan continuing a stored state), preemption by recompute and
     by swap, prefix hits (the state restored from a checkpoint): the tokens of HF alone."""
     calls = native_calls(monkeypatch)
-    model = tiny_hybrid("nemotron_h")
-    gen = torch.Generator().manual_seed(5)
-    params = hf_paged.SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 11, 17, 9)]
-    for mode in ("recompute", "swap"):
-        llm = hf_paged.LLM(model, num_blocks=10, block_size=4, max_num_batched_tokens=6, max_num_seqs=3,
-                           long_prefill_token_threshold=4, preemption_mode=mode, swap_space=1 << 20)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outs] == greedy_alone(model, prompts, 10)
-        assert llm.engine.stats()["num_preemptions"] > 0
-    shared = torch.randint(3, 256, (70,), generator=gen).tolist()
-    prompts = [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 13)]
-    llm = hf_paged.LLM(model, num_blocks=96, block_size=4)
-    outs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
-    assert outs == greedy_alone(model, prompts, 10)
-    assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+    exact_under_pressure(tiny_hybrid("nemotron_h"), seed=5)
     assert any(length > 1 and not fresh for length, fresh, _ in calls)  # prefills continuing a stored state
 
 

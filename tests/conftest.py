@@ -249,3 +249,18 @@ def exact_under_pressure(model, seed: int, modes=("recompute", "swap")) -> None:
     outs = [list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
     assert outs == greedy_alone(model, prompts, 10)
     assert llm.engine.stats()["prefix_cache_hit_tokens"] > 0
+
+
+def wrong_substitute_refused(monkeypatch, entry: str, wrong, arch: str) -> None:
+    """With state_fast's substitute `entry` made wrong (`wrong(substitute)` computes something else), the agreement
+    check refuses it: every state module of a tiny `arch` hybrid keeps its own forward, and the engine stays exact."""
+    from hf_paged.model import state_fast
+    from hf_paged.model.state_modules import find_state_modules
+    from hf_paged.tiny import tiny_hybrid
+
+    make = state_fast.SUBSTITUTES[entry]
+    monkeypatch.setitem(state_fast.SUBSTITUTES, entry, lambda original: wrong(make(original)))
+    model = tiny_hybrid(arch)
+    assert all(path is None for path in state_fast.fast_paths(model, find_state_modules(model)).values())
+    ids, mask = left_padded_batch([4, 9])
+    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)

@@ -9,6 +9,7 @@ from hf_paged.engine.plan import StepPlan
 from hf_paged.kv import NULL_BLOCK
 from hf_paged.request import Request, ParentRequest
 from hf_paged.sampling import Sampler, SamplingParams
+from hf_paged.tiny import tiny_model
 
 from conftest import cached_model
 
@@ -55,7 +56,7 @@ def test_forked_samples_take_their_parents_row(runner, monkeypatch):
     plan = StepPlan(requests=[parent, other], num_new_tokens=[3, 2], sampled=[parent, other, child],
                     sample_sources=[0, 1, 0])
 
-    def execute(inputs, greedy=None, fast=True, argmax=False):  # no forward: row j's logits peak at its packed row
+    def execute(inputs, greedy=None, fast=True, keep_dtype=False):  # no forward: row j's logits peak at its packed row
         rows = inputs.sample_rows.tolist()
         logits = torch.zeros(len(rows), 16)
         logits[torch.arange(len(rows)), torch.tensor(rows)] = 1.0
@@ -78,7 +79,7 @@ def test_forked_samples_take_their_parents_pick(runner, monkeypatch):
 
     step = Step()
 
-    def execute(inputs, greedy=None, fast=True, argmax=False):
+    def execute(inputs, greedy=None, fast=True, keep_dtype=False):
         greedy.token_ids = inputs.sample_rows.clone()  # sampled row j picks the packed row it came from
         return None
 
@@ -96,7 +97,7 @@ def test_argmax_only_steps_sample_a_bf16_models_logits_uncast(monkeypatch, how):
     import hf_paged.engine.runner as runner_module
 
     monkeypatch.setenv("HF_PAGED_GREEDY_HEAD", "0")  # the head's logits reach the sampler
-    model = cached_model("llama").to(torch.bfloat16)
+    model = tiny_model("llama").to(torch.bfloat16)  # a model of its own: the cached one is shared
     seen = []
     original = runner_module.sample_step
     monkeypatch.setattr(runner_module, "sample_step",

@@ -13,7 +13,7 @@ from hf_paged.model.state_layers import StateRun, StateView
 from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import tiny_hybrid
 
-from conftest import assert_same_as_hf, exact_under_pressure, left_padded_batch
+from conftest import assert_same_as_hf, exact_under_pressure, left_padded_batch, wrong_substitute_refused
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MAMBA2 = ("nemotron_h", "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "mamba2")  # every family calling it
@@ -186,12 +186,7 @@ def test_exact_under_pressure(monkeypatch, always_fast):
 def test_a_wrong_substitute_is_not_taken(monkeypatch, always_fast, entry, wrong):
     """A substitute that computes something else (C reversed, half the time step) fails the agreement check: the
     mixer keeps its own forward and the engine stays exact."""
-    make = state_fast.SUBSTITUTES[entry]
-    monkeypatch.setitem(state_fast.SUBSTITUTES, entry, lambda original: wrong(make(original)))
-    model = tiny_hybrid("bamba")
-    assert all(path is None for path in state_fast.fast_paths(model, find_state_modules(model)).values())
-    ids, mask = left_padded_batch([4, 9])
-    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)
+    wrong_substitute_refused(monkeypatch, entry, wrong, "bamba")
 
 
 def test_transformers_own_code_where_the_scan_does_not_apply(monkeypatch, always_fast):

@@ -11,7 +11,7 @@ from hf_paged.model import state_fast
 from hf_paged.model.state_modules import find_state_modules
 from hf_paged.tiny import tiny_hybrid
 
-from conftest import assert_same_as_hf, exact_under_pressure, left_padded_batch
+from conftest import assert_same_as_hf, exact_under_pressure, left_padded_batch, wrong_substitute_refused
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GATED_DELTA = ("qwen3_5_text", "qwen3_next", "olmo_hybrid")  # every substitute
@@ -62,12 +62,7 @@ def test_fast_forward_exact_under_pressure(always_fast):
 def test_a_wrong_substitute_is_not_taken(monkeypatch, always_fast, name, wrong):
     """A substitute that computes something else (no decay, half the learning rate, channels mixed up) fails the
     agreement check: the module keeps its own forward and the engine stays exact."""
-    make = state_fast.SUBSTITUTES[name]
-    monkeypatch.setitem(state_fast.SUBSTITUTES, name, lambda original: wrong(make(original)))
-    model = tiny_hybrid("qwen3_5_text")
-    assert all(path is None for path in state_fast.fast_paths(model, find_state_modules(model)).values())
-    ids, mask = left_padded_batch([4, 9])
-    assert_same_as_hf(model, ids, mask, max_new_tokens=8, do_sample=False)
+    wrong_substitute_refused(monkeypatch, name, wrong, "qwen3_5_text")
 
 
 def test_a_modules_trial_runs_count_as_recorded_trial_calls(monkeypatch):

@@ -33,6 +33,12 @@ class StepInputs:
     sampled: list[int]  # index into the batch of each request that samples this step
 
 
+def argmax_only(requests: list) -> bool:
+    """Every one of `requests` takes its raw logits' first maximum with no sampling hook (`picks_by_argmax`)."""
+    return bool(requests) and all(r.controller is None and picks_by_argmax(r.params, r.banned_token_ids())
+                                  for r in requests)
+
+
 class ModelRunner:
     """Turns a `StepPlan` into one `Sampled` per sampled request (`run`); reads requests, changes none.
 
@@ -78,12 +84,8 @@ class ModelRunner:
         return StepOutcome(results, elapsed)
 
     def _run(self, plan: StepPlan, sampler: Sampler, inputs, fast: bool) -> list[Sampled]:
-        # every sampled request takes its raw logits' first maximum, with no sampling hook: the head may give its
-        # picks, and logits in the model's dtype are enough (casting bf16 to float32 moves no maximum)
-        argmax = bool(plan.sampled) and all(r.controller is None and picks_by_argmax(r.params, r.banned_token_ids())
-                                            for r in plan.sampled)
-        greedy = self.greedy_step(plan, inputs) if fast and argmax else None
-        logits = self.execute(inputs, greedy, fast, argmax=argmax)
+        greedy = self.greedy_step(plan, inputs) if fast else None
+        logits = self.execute(inputs, greedy, fast, keep_dtype=True)
         rows = {batch_index: row for row, batch_index in enumerate(inputs.sampled)}
         index = [rows[source] for source in plan.sample_sources]
         if greedy is not None and greedy.token_ids is not None:  # the head's picks: every request takes its argmax
@@ -92,16 +94,21 @@ class ModelRunner:
             return [Sampled(token=picks[row]) for row in index]
         if index != list(range(len(inputs.sampled))):  # forked samples share their parent's row
             logits = logits[torch.tensor(index, device=logits.device)]
+        # bf16 / fp16 logits go to the sampler as they are where every request takes the first maximum (casting
+        # moves no maximum; a bf16 Qwen2.5-0.5B-sized head's 64 x 151,936 took 17 ms of a 215 ms step), else float32
+        if logits.dtype != torch.float32 and greedy is None and not argmax_only(plan.sampled):
+            logits = logits.float()
         return sample_step(sampler, plan.sampled, logits)
 
     def greedy_step(self, plan: StepPlan, inputs):
-        """A request for the LM head's picks (greedy_head.GreedyStep) in a step whose sampled requests all take their
-        raw logits' argmax with no sampling hook (the caller checks that), where the head may screen and the model
-        returns the head's output as its logits (the first such step checks that, with real logits); else None."""
+        """A request for the LM head's picks (greedy_head.GreedyStep) when every sampled request of the step takes
+        its raw logits' argmax with no sampling hook, the head may screen and the model returns the head's output
+        as its logits (the first such step checks that, with real logits); else None."""
         if (self.head_gives_logits is False or not plan.sampled or not isinstance(inputs, StepInputs)
                 or not self.spec.accepts_logits_to_keep):
             return None
-        return self.linears.greedy_step(self.head_gives_logits is None, len(inputs.sampled))
+        step = self.linears.greedy_step(self.head_gives_logits is None, len(inputs.sampled))  # cheap checks first
+        return step if step is not None and argmax_only(plan.sampled) else None
 
     def prepare(self, batch: StepPlan) -> StepInputs | PaddedDecode:
         if self.graphs is not None and self.graphs.accepts(batch):
@@ -161,25 +168,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs | PaddedDecode, greedy=None, fast: bool = True,
-                argmax: bool = False) -> torch.Tensor | None:
+                keep_dtype: bool = False) -> torch.Tensor | None:
         """Run the model; returns float32 logits [num_sampled, vocab] (LM head only on sampled rows; with `greedy` or
-        `argmax`, a step whose requests all take the first maximum: in the model's dtype), or None when the head gave
-        `greedy` its picks instead. `fast`: with the CPU fast paths (`StepChoice`)."""
+        `keep_dtype`: in the model's dtype), or None when the head gave `greedy` its picks instead. `fast`: with the
+        CPU fast paths (`StepChoice`)."""
         require_enabled()  # after hf_paged.disable(), also for replayed graphs: HfPagedDisabled, naming enable()
         if isinstance(inputs, PaddedDecode):
             return self.graphs.run(inputs)
         return self.forward(inputs.input_ids, inputs.position_ids, inputs.metadata, inputs.sample_rows,
-                            inputs.token_type_ids, inputs.states, inputs.group_metadata, greedy, fast, argmax)
+                            inputs.token_type_ids, inputs.states, inputs.group_metadata, greedy, fast, keep_dtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
                 sample_rows: torch.Tensor | None, token_type_ids: torch.Tensor | None = None,
                 states: StateStep | None = None, group_metadata: list[AttentionMetadata] | None = None,
-                greedy=None, fast: bool = True, argmax: bool = False) -> torch.Tensor | None:
+                greedy=None, fast: bool = True, keep_dtype: bool = False) -> torch.Tensor | None:
         """One packed forward pass: float32 logits of `sample_rows` (None: of every row). The eager path and the
         decode graphs (captured or not) both run exactly this. With `greedy` (`greedy_step`), None when the LM head
         gave its picks (`greedy.token_ids`) instead of logits, else the logits in the model's own dtype (so with
-        `argmax`: a bf16 model's 64 x 151,936 logits cast to float32 took 17 ms of a 215 ms step). Not `fast`: without
-        the CPU fast paths (no forward swapped; `StepChoice`)."""
+        `keep_dtype`). Not `fast`: without the CPU fast paths (no forward swapped; `StepChoice`)."""
         context = PagedForwardContext(metadata, self.kv_cache, self.backends, states=states,
                                       group_metadata=group_metadata, layer_calls=self.layer_calls)
         kwargs = {}
@@ -210,7 +216,7 @@ class ModelRunner:
         if sample_rows is not None and not self.spec.accepts_logits_to_keep:
             logits = logits[sample_rows]
         # a greedy step takes each row's first maximum, which casting bf16 / fp16 logits to float32 does not move
-        return logits if greedy is not None or argmax else logits.float()
+        return logits if greedy is not None or keep_dtype else logits.float()
 
     def _head_picked(self, greedy, logits: torch.Tensor) -> bool:
         """After a forward with `greedy`: whether the head's picks stand for the step's logits. A checking step

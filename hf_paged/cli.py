@@ -39,6 +39,7 @@ BENCHMARKS = {  # name: what it measures (the modules are hf_paged.bench.NAME)
     "window": "a sliding-window model's long generations: blocks behind the window given back vs kept",
     "serve": "concurrent streaming clients: hf-paged serve vs transformers serve (TTFT, ITL, tok/s)",
     "calls": "per-call cost of generate(cache_implementation='paged') vs HF generate on tiny models",
+    "first_call": "a new process's first generate call (start-up check, trials, copies) vs HF's",
 }
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 

@@ -187,6 +187,13 @@ def fast_steps(monkeypatch):
     monkeypatch.setenv("HF_PAGED_STEP_CHOICE", "fast")
 
 
+@pytest.fixture(autouse=True)
+def checks_each_process(monkeypatch):
+    """The start-up check runs in every process (`HF_PAGED_CHECK_CACHE=0`): a pass kept on disk by one test would
+    hide what another test breaks on purpose (model/verdict_disk.py, tested in test_verdict_disk.py)."""
+    monkeypatch.setenv("HF_PAGED_CHECK_CACHE", "0")
+
+
 @pytest.fixture
 def restore():
     """Puts back torch's thread count and hf_paged's take-over after a test that changes them (benchmark workers)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-NAMES = ("throughput", "prefix", "chunked", "memory", "swap", "beam", "window", "serve", "calls")
+NAMES = ("throughput", "prefix", "chunked", "memory", "swap", "beam", "window", "serve", "calls", "first_call")
 
 
 def load(name: str):

@@ -6,13 +6,15 @@ step), and through the model's own forward with its own attention implementation
 at each step must agree to within float rounding; otherwise the model is refused with a ValueError that says so.
 Position handling that is right only for a prefill from position 0 or for a single-token decode is caught here
 (a position-embedding module that counts from the step or from a cache length), and so is a state layer that is
-right only for a prefill and for single tokens: state models too are compared with the model's own forward on each
-whole prefix, not with its own forward fed the same pieces on transformers' cache, which can be wrong in the same way
+right only for a prefill and for single tokens: state models too are compared with the model's own forward over each
+whole sequence (read at each step's last token: one forward per sequence), not with its own forward fed the same
+pieces on transformers' cache, which can be wrong in the same way
 (transformers' Mamba-1 scan drops the previous state for a multi-token input; see `state_continuation`). This
 catches what
 no list of features can (a module that does something to attention the paged function cannot see), and the
 guard in `paged_forward.check_supported` turns any argument the paged function would ignore into an error here,
-at start, instead of in the middle of serving. The verdict is kept on the model per (backend, dtype).
+at start, instead of in the middle of serving. The verdict is kept on the model per (backend, dtype), and a pass on
+disk for later processes that run the same code on this machine (`verdict_disk`).
 
 It also reports the sliding window each attention layer applied in the last forward (None: none, or not one clear
 window): no query of such a layer ever reads a slot more than a window behind it, so the engine groups layers by
@@ -37,7 +39,7 @@ from ..config import logger
 from ..kv import KVCache
 from ..kv.slots import slots_of
 from ..kv.state import StateSlots
-from . import fp32_attention
+from . import fp32_attention, verdict_disk
 from .forward_lock import forward_lock
 from .paged_forward import PagedForwardContext, UnsupportedAttention, paged_attention_active
 from .spec import ModelSpec
@@ -62,7 +64,8 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
     device = spec.kv.device
     blocks_per_sequence = -(-max(map(len, sequences)) // BLOCK_SIZE)
     dtype = next(model.parameters()).dtype  # the model's own dtype, also when the engine's cache is fp8
-    cache = KVCache(dataclasses.replace(spec.kv, dtype=dtype, groups=None), 1 + blocks_per_sequence * len(sequences), BLOCK_SIZE)
+    cache = KVCache(dataclasses.replace(spec.kv, dtype=dtype, groups=None), 1 + blocks_per_sequence * len(sequences),
+                    BLOCK_SIZE)
     cache.storage.zero_()
     tables = [[1 + i * blocks_per_sequence + b for b in range(blocks_per_sequence)] for i in range(len(sequences))]
     states = StateSlots(device, len(sequences)) if spec.has_state else None
@@ -79,8 +82,8 @@ def _paged_logits(model, spec: ModelSpec, backends: AttentionBackends, sequences
         metadata = AttentionMetadata.build(query_lens, context_lens, tables, slots, BLOCK_SIZE, device)
         context = PagedForwardContext(metadata, cache, backends, windows=[], states=_states(states, query_lens, step))
         with paged_attention_active(spec.configs):
-            out = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                        use_cache=False, paged_context=context)
+            out = model(input_ids=torch.tensor([ids], device=device),
+                        position_ids=torch.tensor([positions], device=device), use_cache=False, paged_context=context)
         _check_calls(model, spec, context.num_calls)
         rows = torch.tensor(query_lens, device=device).cumsum(0) - 1
         results.append(out.logits[0, rows].float())
@@ -124,13 +127,30 @@ def _check_calls(model, spec: ModelSpec, calls: int) -> None:
                                f"attention through transformers' AttentionInterface, so its KV cache cannot be paged")
 
 
-def _own_logits(model, ids: list[int], device) -> torch.Tensor:
-    """The model's own last logits for `ids`, called as HF generate calls it: with position ids 0.. when its forward
-    takes them (roberta-like models would otherwise derive positions from their padding index)."""
+def _own_logits(model, ids: list[int], cuts: tuple, device) -> list[torch.Tensor]:
+    """The model's own logits at the last token of each prefix `ids[:cut]` (`cuts`), from ONE forward over `ids` (a
+    causal model's row i sees tokens 0..i only: the prefix's last logits; one forward instead of one per prefix, the
+    check's largest cost on a big model), called as HF generate calls it: with position ids 0.. when its forward takes
+    them (roberta-like models would otherwise derive positions from their padding index)."""
     kwargs = {}
     if "position_ids" in inspect.signature(model.forward).parameters:
         kwargs["position_ids"] = torch.arange(len(ids), device=device)[None]
-    return model(input_ids=torch.tensor([ids], device=device), **kwargs).logits[0, -1].float()
+    logits = model(input_ids=torch.tensor([ids], device=device), **kwargs).logits[0]
+    return [logits[cut - 1].float() for cut in cuts]
+
+
+def _own_by_step(model, sequences: list[list[int]], device) -> list[list[torch.Tensor]]:
+    """The model's own last logits of every prefix `seq[:cut]` of `STEPS`, per step (as `_paged_logits` gives them):
+    one forward per sequence where the model's own forward is causal; where the first prefix run alone gives other
+    logits than its row of the whole sequence (a forward that looks ahead: roberta built without `is_decoder`), each
+    prefix runs alone, as generate would feed it."""
+    each = [_own_logits(model, seq, cuts, device) for seq, cuts in zip(sequences, STEPS)]
+    first = STEPS[0][0]
+    alone = _own_logits(model, sequences[0][:first], (first,), device)[0]
+    if not _relative_difference(each[0][0], alone) <= TOLERANCE.get(next(model.parameters()).dtype, 3e-2):
+        each = [[_own_logits(model, seq[:cut], (cut,), device)[0] for cut in cuts]
+                for seq, cuts in zip(sequences, STEPS)]
+    return [[logits[step] for logits in each] for step in range(len(STEPS[0]))]
 
 
 def _takes_cache(model) -> bool:
@@ -167,6 +187,12 @@ def counts_padding(model) -> bool:
     known = model.__dict__.setdefault("_hf_paged_counts_padding", {})
     if key in known:
         return known[key]
+    configs = [model.config, model.config.get_text_config(decoder=True)]
+    digest = verdict_disk.identity(model, configs, ("padding", key))
+    stored = verdict_disk.load("padding", digest)
+    if isinstance(stored, bool):
+        known[key] = stored
+        return stored
     text = model.config.get_text_config(decoder=True)
     vocab = min(getattr(text, "vocab_size", None) or 256, 1000)
     pad = getattr(text, "pad_token_id", None)
@@ -176,10 +202,10 @@ def counts_padding(model) -> bool:
     padded = torch.cat([torch.full((1, PADDING), pad, device=param.device), prompt], dim=1)
     mask = (torch.arange(padded.shape[1], device=param.device) >= PADDING).long()[None]
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
-    configs = [model.config, model.config.get_text_config(decoder=True)]
     try:
         with forward_lock(model), _reference_attention(configs):
-            alone = {"position_ids": torch.arange(prompt.shape[1], device=param.device)[None]} if takes_positions else {}
+            alone = {"position_ids": torch.arange(prompt.shape[1], device=param.device)[None]
+                     } if takes_positions else {}
             want = model(input_ids=prompt, attention_mask=torch.ones_like(prompt), **alone).logits[0, -1].float()
             with_pad = {"position_ids": model._prepare_position_ids_for_generation(padded, {"attention_mask": mask})
                         } if takes_positions else {}
@@ -188,6 +214,7 @@ def counts_padding(model) -> bool:
     except Exception:  # noqa: BLE001 - a model that fails on a padded prompt: HF's own loop gives HF's behaviour
         return True
     known[key] = answer
+    verdict_disk.save("padding", digest, answer)
     return answer
 
 
@@ -212,8 +239,7 @@ def _float32_reference(model, spec: ModelSpec, sequences: list[list[int]], paged
     (`fp32_attention`), or inf where that reference cannot run."""
     try:
         with forward_lock(model), _reference_attention(spec.configs), fp32_attention.float32_attention(spec.configs):
-            own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
-                   for step in range(len(STEPS[0]))]
+            own = _own_by_step(model, sequences, spec.kv.device)
     except Exception:  # noqa: BLE001 - no such reference (NoReference, a model it does not fit): the first verdict
         return float("inf")
     return _worst(paged, own)
@@ -260,6 +286,12 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
         if verdicts[key] is not None:
             raise ValueError(verdicts[key])
         return dict(windows.get(key, {}))
+    digest = verdict_disk.identity(model, spec.configs, ("check", key))
+    stored = verdict_disk.load("check", digest)  # a pass of the same code on this machine, in an earlier process
+    if isinstance(stored, list) and all(isinstance(e, list) and len(e) == 3 for e in stored):
+        verdicts[key] = None
+        windows[key] = {int(layer): (window, chunk) for layer, window, chunk in stored}
+        return dict(windows[key])
     model_type = getattr(model.config, "model_type", type(model).__name__)
     generator = torch.Generator().manual_seed(0)
     vocab = min(spec.vocab_size, 1000)
@@ -274,10 +306,9 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             # as the model's verdict: the failure may be passing (the next engine checks again)
             raise ValueError(f"model type {model_type!r}: its forward fails on hf_paged's paged path "
                              f"({type(e).__name__}: {e})") from e
-        # each whole prefix at once, for state models too (the pieces of a state layer must give what it gives)
+        # each whole sequence at once, for state models too (the pieces of a state layer must give what it gives)
         with _reference_attention(spec.configs):
-            own = [[_own_logits(model, seq[:cuts[step]], spec.kv.device) for seq, cuts in zip(sequences, STEPS)]
-                   for step in range(len(STEPS[0]))]
+            own = _own_by_step(model, sequences, spec.kv.device)
     tolerance = TOLERANCE.get(dtype, 3e-2)
     worst = _worst(paged, own)
     verdicts[key] = None
@@ -302,4 +333,5 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
                          f"{tolerance:.0e}){hint}; it is refused rather than served wrong")
         raise ValueError(verdicts[key])
     windows[key] = layer_windows
+    verdict_disk.save("check", digest, [[layer, *pair] for layer, pair in sorted(layer_windows.items())])
     return dict(layer_windows)

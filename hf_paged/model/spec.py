@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv import KVCacheSpec
+from . import verdict_disk
 from .forward_lock import forward_lock
 from .kv_shapes import layer_shapes, number_calls
 from .paged_forward import SHAPES_NAME, ModulePatches, attention_implementation, keyword_takers, position_takers
@@ -141,10 +142,16 @@ def module_kv_shape(model: torch.nn.Module, configs: list,
     """{layer: (K/V heads, K size, V size)} as the model's attention modules produce them, the configs to switch
     (with a `ModulePatches` that hands the forward's keywords to attention modules when the model's layers drop
     them). Read from one 2-token forward with an attention function that records the shapes (`record_kv_shapes`),
-    kept on the model; and the layers recorded. Shapes None when no layer's attention ran through the interface (the
-    config's sizes are used, and the start-up check has the last word). Layers may differ, and K from V in head size
-    (model/kv_shapes.py); raises ValueError when a layer's K and V differ in heads."""
+    kept on the model (and on disk for later processes: `verdict_disk`); and the layers recorded. Shapes None when
+    no layer's attention ran through the interface (the config's sizes are used, and the start-up check has the
+    last word). Layers may differ, and K from V in head size (model/kv_shapes.py); raises ValueError when a layer's
+    K and V differ in heads."""
     known = model.__dict__.get("_hf_paged_kv_shape")
+    digest = verdict_disk.identity(model, [model.config], ("kv_shapes",)) if known is None else None
+    if known is None:
+        known = _stored_shapes(digest)  # what the same code recorded on this machine before
+        if known is not None:
+            model.__dict__["_hf_paged_kv_shape"] = known
     if known is None:
         found, injected = _recorded_shapes(model, configs), False
         if not found:  # maybe its layers drop the forward's keywords: hand them down
@@ -153,6 +160,8 @@ def module_kv_shape(model: torch.nn.Module, configs: list,
         known = (found or [], injected)
         if found is not None:  # a forward that failed (maybe passingly) is not kept
             model.__dict__["_hf_paged_kv_shape"] = known
+            verdict_disk.save("kv_shapes", digest, {"calls": [[layer, list(shape)] for layer, shape in known[0]],
+                                                    "injected": injected})
     calls, injected = known
     configs = configs + [_injector(model)] if injected else configs
     if not calls:
@@ -162,6 +171,17 @@ def module_kv_shape(model: torch.nn.Module, configs: list,
     if reason is not None:
         raise ValueError(f"model type {model_type!r}: {reason}")
     return shapes, configs, (by_call, tuple(sorted(recorded)))
+
+
+def _stored_shapes(digest: str | None) -> tuple[list, bool] | None:
+    """`module_kv_shape`'s (calls, injected) as an earlier process stored them (`verdict_disk`), or None."""
+    stored = verdict_disk.load("kv_shapes", digest)
+    try:
+        calls = [(layer if layer is None else int(layer), tuple(int(n) for n in shape))
+                 for layer, shape in stored["calls"]]
+        return calls, bool(stored["injected"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _injector(model: torch.nn.Module) -> ModulePatches:

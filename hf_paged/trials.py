@@ -25,6 +25,12 @@ Invariants:
   thread's call completed the trial), only adds to the time the trial cost.
 - Every candidate computes the same result up to the order of floating-point sums: measuring never changes what a
   call returns beyond rounding.
+- Candidates that copy the calling module's weights (`next_call_for`'s `copying`: a transposed or joined copy of a
+  projection) run in a trial only on the first `COPY_HOLDERS` modules of its key that call: a key is usually one
+  weight shape that every layer has (24 layers of a Qwen2.5-0.5B-sized model), and copies of every layer's weights
+  for every such candidate cost seconds on a first call (most of them dropped once the trial is over). Those modules'
+  calls are given the copying candidates while any is in the trial, the other modules' calls the rest, or none
+  (`SKIP`: the caller runs its baseline untimed). The chosen candidate's copies are made where it is called.
 - `clock` is read through this module (tests put a fake clock here).
 """
 from __future__ import annotations
@@ -47,6 +53,8 @@ class Recorded:
 
 recorded = Recorded()
 MARGIN = 0.05  # a fast path must beat the baseline by more than this fraction of its time to be chosen
+COPY_HOLDERS = 4  # modules of a key whose trial calls may make copies of their weights (module doc)
+SKIP = "skip"  # `next_call_for`: this call runs the baseline, untimed
 clock = time.perf_counter
 
 
@@ -72,6 +80,7 @@ class Trial:
     calls: int = 0
     spent: float = 0.0
     pruned: bool = False
+    holders: set = field(default_factory=set)  # the modules (ids) whose calls run the copying candidates
 
     def __post_init__(self):
         self.names = list(self.products)
@@ -82,6 +91,10 @@ class Trial:
         name = self.names[(self.calls + self.calls // n) % n]
         self.calls += 1
         return name
+
+    def count(self, name: str) -> int:
+        """Calls of candidate `name` recorded so far (its warm-up included)."""
+        return (name in self.warm) + len(self.times[name])
 
     def _best(self, name: str) -> float:
         return min([self.warm.get(name, math.inf)] + self.times[name])
@@ -145,6 +158,27 @@ class Table:
             if trial is None:
                 trial = self.trials[key] = Trial(dict(products))
             return trial.next()
+
+    def next_call_for(self, key: Hashable, products: dict[str, Any], holder: int, copying: frozenset) -> str | None:
+        """`next_call` for a call of module `holder` (its id) where the candidates in `copying` copy the module's
+        weights (module doc). A module that holds (or now takes) one of the trial's COPY_HOLDERS places: the candidate
+        with the fewest recorded calls (the next in turn among equals), which makes up for the copying candidates'
+        calls on other modules; any other module: a candidate that copies nothing, or SKIP where none is left."""
+        with self.lock:
+            name = self.next_call(key, products)
+            trial = self.trials.get(key)
+            if name is None or trial is None or not copying:
+                return name
+            left = [n for n in trial.names if n in copying]
+            if left and holder not in trial.holders and len(trial.holders) < COPY_HOLDERS:
+                trial.holders.add(holder)
+            if holder in trial.holders:  # the candidate with the fewest calls (the copying ones, run here only)
+                return min(trial.names, key=lambda n: (trial.count(n), n != name))
+            for _ in range(2 * len(trial.names)):  # any 2n calls in a row hold a whole block: every candidate
+                if name not in copying:
+                    return name
+                name = trial.next()
+            return SKIP
 
     def record(self, key: Hashable, name: str, seconds: float, baseline: str | None = None) -> Choice | None:
         """One trial call's time (`next_call` gave `name`); the choice where this call completed the trial. The

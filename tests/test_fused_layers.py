@@ -271,3 +271,29 @@ def test_fp32_layers_on_onednn_copies_give_hfs_tokens(monkeypatch, calls):
     assert calls["fused"] > before
     assert all(c is None for c in copies(model))
     assert all((c := layer_copies._ONEDNN.get(m)) is not None and c.onednn for m in model.model.layers)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_trials_copy_the_weights_of_a_few_layers_only(monkeypatch, dtype):
+    """Eight layers of one shape: in each trial (a row bucket of one shape), the candidates that copy a module's
+    weights (the fused layers' joined copies, the projections' transposed ones) run on at most trials.COPY_HOLDERS
+    modules (each such copy costs a pass over the weights, most of them dropped once the trial is over); the other
+    modules' calls run the rest; the tokens are HF's."""
+    from hf_paged.model import small_linear
+
+    copiers = fused_layers.COPYING | small_linear.COPYING | packed_linear.COPYING
+    holders, others = {}, {}
+    real = TABLE.pick
+
+    def pick(key, products, identity="", holder=0, copying=frozenset()):
+        name, product = real(key, products, identity, holder, copying)
+        if name is not None and name != trials.SKIP:
+            (holders if name in copiers else others).setdefault(key, set()).add(holder)
+        return name, product
+    monkeypatch.setattr(TABLE, "pick", pick)
+    model = llama(num_hidden_layers=8, dtype=dtype)
+    assert_hf(new_llm(model), model)
+    layer_keys = [key for key in holders if str(key.dtype).startswith("layer")]
+    assert layer_keys and any(key.dtype == dtype for key in holders)
+    assert all(len(modules) <= trials.COPY_HOLDERS for modules in holders.values())
+    assert any(len(others.get(key, ())) > trials.COPY_HOLDERS for key in layer_keys)  # the rest ran the class forward

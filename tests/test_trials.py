@@ -184,3 +184,56 @@ def test_threads_sharing_a_table_make_one_choice():
     for thread in threads:
         thread.join(timeout=30)
     assert len(made) == 1 and table.choices == {"k": made[0]} and made[0].path == "b" and not table.trials
+
+
+def run_layers(table: Table, costs: dict[str, float], modules: int, copying: frozenset, steps: int = 100):
+    """Steps that call one key from `modules` modules in turn (layers of one shape), each call of a candidate costing
+    costs[name]: (the choice, the step it came in, {module: candidates it ran}, SKIPs)."""
+    ran, skips = {}, 0
+    for step in range(steps):
+        for module in range(modules):
+            name = table.next_call_for("key", costs, module, copying)
+            if name is None:
+                return table.choices["key"], step, ran, skips
+            if name == trials.SKIP:
+                skips += 1
+                continue
+            ran.setdefault(module, set()).add(name)
+            table.record("key", name, costs[name])
+    raise AssertionError("the trial never ended")
+
+
+@pytest.mark.parametrize("copy_cost, winner", [(0.5e-3, "copy"), (3e-3, "kernel"), (0.9e-3, "kernel")])
+def test_copying_candidates_run_on_a_few_modules_of_a_key_only(copy_cost, winner):
+    """24 layers of one shape: the candidate that copies the weights runs on some of the first COPY_HOLDERS of them
+    (the rest never make a copy), the trial still ends within a few steps, and picks as a plain trial would."""
+    costs = {BASELINE: 1e-3, "kernel": 0.8e-3, "copy": copy_cost}
+    choice, step, ran, skips = run_layers(Table(BASELINE), costs, 24, frozenset({"copy"}))
+    holders = {module for module, names in ran.items() if "copy" in names}
+    assert holders and holders <= set(range(trials.COPY_HOLDERS))
+    assert all(names <= {BASELINE, "kernel"} for module, names in ran.items() if module not in holders)
+    assert choice.path == winner and set(choice.seconds) == set(costs)
+    assert step <= 3 and skips == 0
+
+
+def test_a_key_of_few_modules_runs_every_candidate_on_each_as_a_plain_trial_does():
+    costs = {BASELINE: 1e-3, "kernel": 0.9e-3, "copy": 0.95e-3}
+    choice, step, ran, _ = run_layers(Table(BASELINE), costs, 2, frozenset({"copy"}))
+    assert choice.path == "kernel" and all(names == set(costs) for names in ran.values())
+    _, plain_step, _, _ = run_layers(Table(BASELINE), costs, 2, frozenset())  # nothing copies: next_call's rotation
+    assert step <= plain_step + 1
+
+
+def test_modules_beyond_the_holders_skip_where_only_copying_candidates_are_left():
+    table = Table(BASELINE)
+    costs = {BASELINE: 10e-3, "copy": 1e-3}  # the baseline is dropped after its first counted call (DROP)
+    names = []
+    for _ in range(6):
+        for module in range(8):
+            name = table.next_call_for("key", costs, module, frozenset({"copy"}))
+            names.append((module, name))
+            if name not in (None, trials.SKIP):
+                table.record("key", name, costs[name])
+    assert table.choices["key"].path == "copy"
+    assert any(name == trials.SKIP for module, name in names if module >= trials.COPY_HOLDERS)
+    assert all(name != "copy" for module, name in names if module >= trials.COPY_HOLDERS)

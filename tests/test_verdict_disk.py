@@ -59,6 +59,10 @@ def test_the_padding_answer_is_kept_too(disk):
     assert probe.counts_padding(tiny_model("llama")) is True
 
 
+class Marked(torch.Tensor):
+    """A tensor subclass of the same shape and dtype."""
+
+
 def identity(model, key=("check",)):
     return verdict_disk.identity(model, [model.config], key)
 
@@ -71,16 +75,24 @@ def test_what_decides_the_answer_changes_the_identity(monkeypatch):
     assert identity(tiny_model("llama"), key=("check", "bfloat16")) != base  # the caller's key
     assert identity(tiny_model("llama", rope_theta=500.0)) != base  # any config field
     assert identity(tiny_model("llama").to(torch.bfloat16)) != base  # the weights' dtype
+    monkeypatch.setenv("HF_PAGED_CPU_PREFILL", "0")
+    assert identity(tiny_model("llama")) != base  # hf_paged's switches (other kernels)
+    monkeypatch.delenv("HF_PAGED_CPU_PREFILL")
     grown = tiny_model("llama")
     grown.register_buffer("extra", torch.zeros(3))
     assert identity(grown) != base  # parameters' and buffers' names and shapes
+    wrapped = tiny_model("llama")
+    head = wrapped.lm_head
+    head.weight = torch.nn.Parameter(Marked(head.weight.detach()), requires_grad=False)
+    assert identity(wrapped) != base  # and classes (a quantizing library's tensor subclass)
     original = modeling.apply_rotary_pos_emb
-    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a, **kw: original(q, k, cos, sin))
-    assert identity(tiny_model("llama")) != base  # a function patched into the model's module
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a, **kw: original(q, k, cos, sin))
+        assert identity(tiny_model("llama")) != base  # a function patched into the model's module
     assert identity(tiny_model("llama")) == base
-    monkeypatch.setattr(modeling.LlamaMLP, "forward", lambda self, x: self.down_proj(self.up_proj(x)))
-    assert identity(tiny_model("llama")) != base  # a method patched into one of its classes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling.LlamaMLP, "forward", lambda self, x: self.down_proj(self.up_proj(x)))
+        assert identity(tiny_model("llama")) != base  # a method patched into one of its classes
 
 
 def test_something_attached_to_an_instance_has_no_identity():

@@ -44,6 +44,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .. import trials
 from . import layer_code, layer_copies, onednn_linear, packed_linear, read_rows
 from .layer_copies import LayerCopies, Samples, copies_for, copyable, forget, layer_shape
 from .fused_norms import swapped_forwards
@@ -53,6 +54,7 @@ from .switches import THIS_THREAD
 SWITCH = "HF_PAGED_FUSED_LAYERS"
 MAX_ROWS = 128
 CLASS, FUSED, FUSED_ONEDNN = "class", "fused", "fused_onednn"  # the trial's candidates (the class forward: baseline)
+COPYING = frozenset({FUSED, FUSED_ONEDNN})  # those that join copies of the layer's weights (trials.COPY_HOLDERS)
 
 
 def mode() -> str:
@@ -178,8 +180,10 @@ def fused_layer_forward(self, hidden_states, attention_mask=None, position_ids=N
         return _class(self, cache, *args)
     if chosen is None and _projection_trials_open(mods, key.rows):  # theirs first: the class forward timed as it runs
         return _class(self, cache, *args)
-    if chosen is None:
-        name, chosen = TABLE.pick(key, _candidates(mods[0].weight.dtype))
+    if chosen is None:  # the trial joins the weights of a few layers only (trials.COPY_HOLDERS): the rest run theirs
+        name, chosen = TABLE.pick(key, _candidates(mods[0].weight.dtype), holder=id(self), copying=COPYING)
+        if name == trials.SKIP:
+            return _class(self, cache, *args)
     copies = None if chosen == CLASS else copies_for(self, [m.weight for m in mods], chosen == FUSED_ONEDNN)
     if name is not None and chosen != CLASS and copies is None:  # over the budget: out, this call untimed
         TABLE.record(key, name, float("inf"), baseline=CLASS)

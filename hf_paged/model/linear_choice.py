@@ -122,11 +122,14 @@ class ChoiceTable(trials.Table):
         self.fast: dict[Key, Callable] = {}
         self.disk: dict[str, DiskChoices] = {}
 
-    def pick(self, key: Key, products: dict[str, Callable], identity: str = "") -> tuple[str | None, Callable]:
+    def pick(self, key: Key, products: dict[str, Callable], identity: str = "", holder: int = 0,
+             copying: frozenset = frozenset()) -> tuple[str | None, Callable | None]:
         """For a call of `key`: (None, the product) where the choice is made (before, or now from disk, or
         `products` holds one candidate), else (name, product) of the candidate this call runs for the trial; the
         caller times that call and hands its time to `record` (or runs it through `timed`). `products`: name ->
-        product in tie-break order, the same on every call of the key."""
+        product in tie-break order, the same on every call of the key. `copying`: the candidates that copy the
+        calling module's (`holder`, its id) weights (`trials.Table.next_call_for`): (trials.SKIP, None) where this
+        call runs the baseline, untimed."""
         with self.lock:
             if key in self.fast:
                 return None, self.fast[key]
@@ -138,8 +141,8 @@ class ChoiceTable(trials.Table):
                 if choice is not None:
                     self.settle(key, choice, products)
                     return None, self.fast[key]
-            name = self.next_call(key, products)
-            return name, self.trials[key].products[name]
+            name = self.next_call_for(key, products, holder, copying)
+            return name, None if name == trials.SKIP else self.trials[key].products[name]
 
     def record(self, key: Key, name: str, seconds: float, baseline: str | None = None,
                identity: str = "") -> Choice | None:

@@ -46,6 +46,7 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .. import trials
 from ..config import logger
 from . import int8_head
 from .linear_choice import BUCKET_OF, TABLE, Key
@@ -62,8 +63,7 @@ TRANSPOSED = "transposed"  # copy_for's kind for an fp32 weight's transposed cop
 
 
 def mode() -> str:
-    """`HF_PAGED_PACKED_LINEARS`: "off" (0), "force" (the packed product wherever it may run: for tests and
-    comparisons), else "auto" (measured)."""
+    """`HF_PAGED_PACKED_LINEARS`: "off" (0), "force" (packed wherever it may run), else "auto" (measured)."""
     value = os.environ.get(SWITCH, "auto").strip().lower()
     return {"0": "off", "force": "force"}.get(value, "auto")
 
@@ -292,6 +292,7 @@ def _packed_product(rows: torch.Tensor, copy: PackedCopy, bias: torch.Tensor | N
 
 
 PACKED = "packed"  # the TABLE's product for the packed path: a marker, the call itself needs the module's copy
+COPYING = frozenset({PACKED})  # its trial packs a few modules' weights only (trials.COPY_HOLDERS)
 
 
 def _marker(*_args):  # pragma: no cover - never called: `_packed_linear` recognizes it
@@ -329,30 +330,29 @@ def _packed_or_plain(self: torch.nn.Linear, input: torch.Tensor, measured: bool)
     rows = input.reshape(m, shape[-1])
     if not inputs_ok(rows, weight, bias):
         return f_linear(input, weight, bias)
+    rows = rows if rows.is_contiguous() else rows.contiguous()
+    if product is None:
+        return _measured(self, key, rows, input)
     copy = copy_for(self, weight)
     if copy is None:  # over the memory budget, or a weight it does not take
         return f_linear(input, weight, bias)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    if product is None:
-        return _measured(self, key, rows, copy, input)
     out = _packed_product(rows, copy, bias)
     return out if len(shape) == 2 else out.view(*shape[:-1], weight.shape[0])
 
 
-def _measured(module: torch.nn.Module, key: tuple, rows: torch.Tensor, copy: PackedCopy,
-              input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
-    """A call of `key` while it has no choice: the packed product or F.linear as its trial names, timed
-    (linear_choice.Trial). A choice of F.linear drops the module's copy (a bucket choosing packed packs again)."""
+def _measured(module: torch.nn.Module, key: tuple, rows: torch.Tensor, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    """A call of `key` while it has no choice: packed (on a few modules' copies: trials.COPY_HOLDERS) or F.linear as
+    its trial names, timed; a choice of F.linear drops the module's copy (a bucket choosing packed packs again)."""
     f_linear, bias = torch.nn.functional.linear, module.bias
     key = Key(tuple(key[0]), *key[1:])
-    name, product = TABLE.pick(key, {PACKED: _marker, "f_linear": f_linear})
-
-    def run() -> torch.Tensor:
-        if product is f_linear:
-            return f_linear(input, module.weight, bias)
-        out = _packed_product(rows, copy, bias)
-        return out if input.dim() == 2 else out.view(*input.shape[:-1], module.weight.shape[0])
+    name, product = TABLE.pick(key, {PACKED: _marker, "f_linear": f_linear}, holder=id(module), copying=COPYING)
+    copy = copy_for(module, module.weight) if product is _marker else None
+    if name == trials.SKIP or (product is _marker and copy is None):
+        return f_linear(input, module.weight, bias)
+    if product is f_linear:
+        run = lambda: f_linear(input, module.weight, bias)  # noqa: E731
+    else:
+        run = lambda: _packed_product(rows, copy, bias).view(*input.shape[:-1], module.weight.shape[0])  # noqa: E731
     out, decided = TABLE.timed(key, name, run)
     if decided and TABLE.fast.get(key) is f_linear:
         forget([module], (None,))  # its packed copy only (a bf16 LM head's int8 screen copy is greedy_head's)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from .. import native
+from .. import native, trials
 from . import (fingerprint, fused_layers, fused_norms, fused_rotary, greedy_head, onednn_linear, packed_linear,
                transposed_copy)
 from .linear_choice import BUCKET_OF, TABLE, Key, many_bucket, summary
@@ -54,6 +54,7 @@ logger = logging.getLogger("hf_paged")
 MAX_ROWS = 64  # W @ x^T when forced (HF_PAGED_SMALL_LINEARS=w_xt, or =kernel without the kernel)
 KERNEL_MAX_ROWS = 128  # the native kernel: beyond this MKL catches up
 CHUNK = 4096  # output rows per product: keeps each piece of a large (LM head) weight streaming through the cache
+COPYING = frozenset({transposed_copy.NAME})  # candidates that copy the module's weight (trials.COPY_HOLDERS)
 SOURCE = Path(__file__).with_name("cpu") / "small_gemm.c"
 _status: dict[str, str] = {}
 
@@ -61,11 +62,9 @@ _status: dict[str, str] = {}
 class SmallGemm:
     """`small_gemm_f32` of cpu/small_gemm.c: y = x w^T (+ bias) for fp32 CPU tensors."""
     def __init__(self, path: Path):
-        fn = ctypes.CDLL(str(path)).small_gemm_f32
+        self.fn = fn = ctypes.CDLL(str(path)).small_gemm_f32
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64]
-        fn.restype = None
-        self.fn = fn
+        fn.argtypes, fn.restype = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64], None
 
     @torch.compiler.disable  # native code through raw pointers: never traced by dynamo (a compiled model)
     def __call__(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -184,15 +183,16 @@ def candidates(kernel: SmallGemm | None) -> dict:
 
 def _measured(module: torch.nn.Linear, key: tuple, products: dict, rows: torch.Tensor,
               weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A call of `key` while it has no choice: the candidate its trial names, timed (linear_choice.Trial). The
-    transposed copy is made before the timing; a module that cannot have one records it as unavailable (infinitely
-    slow: dropped). Once a choice is made, copies no bucket of this shape chose are dropped."""
+    """A call of `key` while it has no choice: the candidate its trial names, timed (linear_choice.Trial; the
+    transposed copy, made before the timing, on a few modules only: trials.COPY_HOLDERS, the others' SKIP runs
+    F.linear untimed); a module that cannot have one records it as unavailable (infinitely slow: dropped). Once a
+    choice is made, copies no bucket of this shape chose are dropped."""
     key = Key(tuple(key[0]), *key[1:])
-    name, product = TABLE.pick(key, products, identity=_identity())
-    if product is transposed_copy.MARKER:
-        copy = transposed_copy.copy_of(module, weight)
+    name, product = TABLE.pick(key, products, identity=_identity(), holder=id(module), copying=COPYING)
+    if name == trials.SKIP or product is transposed_copy.MARKER:
+        copy = None if name == trials.SKIP else transposed_copy.copy_of(module, weight)
         if copy is None:
-            if name is not None and TABLE.record(key, name, float("inf"), identity=_identity()):
+            if name not in (None, trials.SKIP) and TABLE.record(key, name, float("inf"), identity=_identity()):
                 transposed_copy.drop_unchosen(key.shape)
             return torch.nn.functional.linear(rows, weight, bias)
         run = lambda: transposed_copy.multiply(rows, copy, bias)  # noqa: E731

@@ -13,7 +13,8 @@ Invariants:
   implementation, with the code of the function registered for it; the classes of all its modules and the code of
   every function and method in the Python modules that define them (a function patched into such a module at run
   time counts, as does a function it wraps or closes over); the names, shapes and dtypes of its parameters and
-  buffers; and the caller's own key (backend, dtype, device, mode, ...).
+  buffers (and their tensor classes); hf_paged's environment switches (`HF_PAGED_*`: they choose the kernels the
+  check's forwards run); and the caller's own key (backend, dtype, device, mode, ...).
 - A model with something attached to one instance only (a module whose instance holds its own `forward`, a module
   with forward hooks, global module hooks) has no identity: it is checked in every process, as before.
 - Only passes are kept: a refusal is made again, with its message. A file that cannot be read, parsed or trusted
@@ -58,6 +59,12 @@ def _library_identity() -> str:
         digest.update(str(path.relative_to(PACKAGE)).encode() + b"\0" + path.read_bytes())
     return f"hf_paged {digest.hexdigest()} transformers {transformers.__version__} torch {torch.__version__} " \
            f"cpu {native.cpu_identity()}"
+
+
+def _switches() -> str:
+    """hf_paged's environment switches (they choose which kernels and paths the check's forwards run)."""
+    return repr(sorted((name, value) for name, value in os.environ.items()
+                       if name.startswith("HF_PAGED_") and name not in (SWITCH, "HF_PAGED_CACHE_DIR")))
 
 
 def _constant(value) -> bytes:
@@ -136,7 +143,8 @@ def identity(model: torch.nn.Module, configs: list, key: tuple) -> str | None:
     except (TypeError, ValueError, AttributeError):
         return None
     digest = hashlib.sha256()
-    digest.update(_library_identity().encode() + b"\0" + config.encode() + b"\0" + repr(key).encode())
+    digest.update(_library_identity().encode() + b"\0" + _switches().encode() + b"\0" + config.encode() + b"\0"
+                  + repr(key).encode())
     for c in configs:
         implementation = getattr(c, "_attn_implementation", None)
         digest.update(repr(implementation).encode())
@@ -147,8 +155,8 @@ def identity(model: torch.nn.Module, configs: list, key: tuple) -> str | None:
         digest.update(f"{cls.__module__}.{cls.__qualname__}".encode())
     for name in sorted({c.__module__ for cls in classes for c in cls.__mro__ if c.__module__ != "builtins"}):
         digest.update(name.encode() + b"\0" + _module_code(name))
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}".encode())
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:  # a tensor subclass (torchao) counts
+        digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype} {type(tensor).__qualname__}".encode())
     return digest.hexdigest()
 
 

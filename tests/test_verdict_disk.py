@@ -168,3 +168,12 @@ def test_the_attention_modules_kv_shapes_are_kept_too(monkeypatch, disk):
     assert (again.num_kv_heads, again.head_dim, again.layer_shapes) == (want.num_kv_heads, want.head_dim,
                                                                          want.layer_shapes)
     assert want.head_dim == 24
+
+
+def test_a_model_that_cannot_be_described_is_checked_as_before(monkeypatch, disk):
+    model = tiny_model("llama")
+    monkeypatch.setattr(type(model.config), "to_json_string", lambda *a, **k: (_ for _ in ()).throw(RuntimeError))
+    assert identity(model) is None
+    calls = forwards_counted(monkeypatch)
+    assert generate(model)
+    assert calls and not disk.exists()

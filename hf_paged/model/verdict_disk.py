@@ -133,15 +133,18 @@ def _attached(model: torch.nn.Module) -> bool:
 
 def identity(model: torch.nn.Module, configs: list, key: tuple) -> str | None:
     """The digest every answer about `model` under `key` is stored by (module doc), or None: none (something is
-    attached to an instance, or the config cannot be written out)."""
-    if _attached(model):
+    attached to an instance, or the model could not be described: the answers are then found as before)."""
+    try:
+        return None if _attached(model) else _digest(model, configs, key)
+    except Exception as error:  # noqa: BLE001 - a config that cannot be written out, an odd module: no disk answer
+        logger.debug("hf_paged: no start-up identity for %s: %r", type(model).__name__, error)
         return None
+
+
+def _digest(model: torch.nn.Module, configs: list, key: tuple) -> str:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    try:
-        config = model.config.to_json_string(use_diff=False)
-    except (TypeError, ValueError, AttributeError):
-        return None
+    config = model.config.to_json_string(use_diff=False)
     digest = hashlib.sha256()
     digest.update(_library_identity().encode() + b"\0" + _switches().encode() + b"\0" + config.encode() + b"\0"
                   + repr(key).encode())

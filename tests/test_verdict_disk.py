@@ -1,5 +1,6 @@
 """model/verdict_disk.py: the start-up check's pass and the padding probe's answer kept on disk for later processes,
 read only where everything that decides them is the same."""
+import functools
 import json
 import os
 import subprocess
@@ -90,6 +91,12 @@ def test_what_decides_the_answer_changes_the_identity(monkeypatch):
         patch.setattr(modeling, "apply_rotary_pos_emb", lambda q, k, cos, sin, *a, **kw: original(q, k, cos, sin))
         assert identity(tiny_model("llama")) != base  # a function patched into the model's module
     assert identity(tiny_model("llama")) == base
+    wrapped = []
+    for function in (lambda q, k, cos, sin: (q, k), lambda q, k, cos, sin: (k, q)):
+        with pytest.MonkeyPatch.context() as patch:  # cached wrappers (no code of their own) of other functions
+            patch.setattr(modeling, "apply_rotary_pos_emb", functools.lru_cache(function))
+            wrapped.append(identity(tiny_model("llama")))
+    assert len({base, *wrapped}) == 3
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(modeling.LlamaMLP, "forward", lambda self, x: self.down_proj(self.up_proj(x)))
         assert identity(tiny_model("llama")) != base  # a method patched into one of its classes

@@ -87,14 +87,14 @@ def _code_bytes(code: types.CodeType) -> bytes:
 def _code(function, depth: int = 0) -> bytes:
     """The bytecode and constants of `function`, of what it wraps (`__wrapped__`) and of functions in its closure."""
     function = getattr(function, "__func__", function)  # classmethod / staticmethod / bound method
+    if depth > 3:
+        return b"..."
     code = getattr(function, "__code__", None)
-    if code is None or depth > 3:
-        return repr(type(function)).encode()
-    parts = [_code_bytes(code)]
-    wrapped = getattr(function, "__wrapped__", None)
+    parts = [repr(type(function)).encode() if code is None else _code_bytes(code)]
+    wrapped = getattr(function, "__wrapped__", None)  # also of a wrapper without code of its own (lru_cache)
     if wrapped is not None:
         parts.append(_code(wrapped, depth + 1))
-    for cell in function.__closure__ or ():
+    for cell in getattr(function, "__closure__", None) or ():
         try:
             content = cell.cell_contents
         except ValueError:  # an empty cell

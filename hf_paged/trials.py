@@ -29,8 +29,10 @@ Invariants:
   projection) run in a trial only on the first `COPY_HOLDERS` modules of its key that call: a key is usually one
   weight shape that every layer has (24 layers of a Qwen2.5-0.5B-sized model), and copies of every layer's weights
   for every such candidate cost seconds on a first call (most of them dropped once the trial is over). Those modules'
-  calls are given the copying candidates while any is in the trial, the other modules' calls the rest, or none
-  (`SKIP`: the caller runs its baseline untimed). The chosen candidate's copies are made where it is called.
+  calls take the candidate with the fewest calls (the copying ones catch up there), the other modules' calls the
+  rest, or none (`SKIP`: the caller runs its baseline untimed). A module that has not called for twice as many calls
+  as the trial has callers (a model no longer run, another model of the same shapes now) gives its place up, so a
+  trial always ends while its key is called. The chosen candidate's copies are made where it is called.
 - `clock` is read through this module (tests put a fake clock here).
 """
 from __future__ import annotations
@@ -80,7 +82,8 @@ class Trial:
     calls: int = 0
     spent: float = 0.0
     pruned: bool = False
-    holders: set = field(default_factory=set)  # the modules (ids) whose calls run the copying candidates
+    holders: dict = field(default_factory=dict)  # module (id) whose calls run the copying candidates -> its last call
+    callers: dict = field(default_factory=dict)  # every module (id) that called -> its last call
 
     def __post_init__(self):
         self.names = list(self.products)
@@ -170,9 +173,12 @@ class Table:
             if name is None or trial is None or not copying:
                 return name
             left = [n for n in trial.names if n in copying]
-            if left and holder not in trial.holders and len(trial.holders) < COPY_HOLDERS:
-                trial.holders.add(holder)
-            if holder in trial.holders:  # the candidate with the fewest calls (the copying ones, run here only)
+            trial.callers[holder] = trial.calls
+            if holder not in trial.holders:  # places of modules that stopped calling (another model's) are free
+                for gone in [h for h, last in trial.holders.items() if trial.calls - last > 2 * len(trial.callers)]:
+                    del trial.holders[gone]
+            if holder in trial.holders or (left and len(trial.holders) < COPY_HOLDERS):
+                trial.holders[holder] = trial.calls  # the fewest calls first (the copying ones run here only)
                 return min(trial.names, key=lambda n: (trial.count(n), n != name))
             for _ in range(2 * len(trial.names)):  # any 2n calls in a row hold a whole block: every candidate
                 if name not in copying:

@@ -186,12 +186,14 @@ def test_threads_sharing_a_table_make_one_choice():
     assert len(made) == 1 and table.choices == {"k": made[0]} and made[0].path == "b" and not table.trials
 
 
-def run_layers(table: Table, costs: dict[str, float], modules: int, copying: frozenset, steps: int = 100):
-    """Steps that call one key from `modules` modules in turn (layers of one shape), each call of a candidate costing
-    costs[name]: (the choice, the step it came in, {module: candidates it ran}, SKIPs)."""
+def run_layers(table: Table, costs: dict[str, float], modules: int, copying: frozenset, steps: int = 100,
+               first: int = 0):
+    """Steps that call one key from `modules` modules (ids `first`, `first` + 1, ...) in turn (layers of one shape),
+    each call of a candidate costing costs[name]: (the choice, the step it came in, {module: candidates it ran},
+    SKIPs)."""
     ran, skips = {}, 0
     for step in range(steps):
-        for module in range(modules):
+        for module in range(first, first + modules):
             name = table.next_call_for("key", costs, module, copying)
             if name is None:
                 return table.choices["key"], step, ran, skips
@@ -237,3 +239,16 @@ def test_modules_beyond_the_holders_skip_where_only_copying_candidates_are_left(
     assert table.choices["key"].path == "copy"
     assert any(name == trials.SKIP for module, name in names if module >= trials.COPY_HOLDERS)
     assert all(name != "copy" for module, name in names if module >= trials.COPY_HOLDERS)
+
+
+def test_holders_that_stop_calling_give_their_places_up():
+    """Another model of the same shapes (the first one no longer run): its modules take the places, and the trial
+    ends; without that the copying candidate would never run again and the trial would stay open for good."""
+    table = Table(BASELINE)
+    costs = {BASELINE: 1e-3, "copy": 0.5e-3}
+    copying = frozenset({"copy"})
+    for module in range(trials.COPY_HOLDERS):  # the first model: one call each, then never again
+        table.next_call_for("key", costs, module, copying)
+    choice, step, ran, _ = run_layers(table, costs, 8, copying, first=100)  # the second model's 8 modules
+    assert choice.path == "copy" and step < 20
+    assert len({module for module, names in ran.items() if "copy" in names}) <= trials.COPY_HOLDERS

@@ -184,3 +184,18 @@ def test_a_model_that_cannot_be_described_is_checked_as_before(monkeypatch, disk
     calls = forwards_counted(monkeypatch)
     assert generate(model)
     assert calls and not disk.exists()
+
+
+def test_no_check_verdict_is_kept_for_state_modules_on_substitute_forwards(monkeypatch, disk):
+    """Their substitutes are chosen per process by timing: a pass of one combination must not stand for another."""
+    import dataclasses
+
+    from hf_paged.engine import engine
+
+    real = engine.describe_model
+    monkeypatch.setattr(engine, "describe_model", lambda *a, **k: dataclasses.replace(real(*a, **k), substituted=True))
+    generate(tiny_model("llama"))
+    assert not list(disk.glob("check_*.json"))
+    monkeypatch.setattr(engine, "describe_model", real)
+    generate(tiny_model("llama"))
+    assert len(list(disk.glob("check_*.json"))) == 1

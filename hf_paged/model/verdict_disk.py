@@ -15,6 +15,8 @@ Invariants:
   time counts, as does a function it wraps or closes over); the names, shapes and dtypes of its parameters and
   buffers (and their tensor classes); hf_paged's environment switches (`HF_PAGED_*`: they choose the kernels the
   check's forwards run); and the caller's own key (backend, dtype, device, mode, ...).
+- A model whose state modules run substitute forwards (`state_fast`, chosen per process by timing) keeps no check
+  verdict: another process may run another combination of them.
 - A model with something attached to one instance only (a module whose instance holds its own `forward`, a module
   with forward hooks, global module hooks) has no identity: it is checked in every process, as before.
 - Only passes are kept: a refusal is made again, with its message. A file that cannot be read, parsed or trusted

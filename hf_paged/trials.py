@@ -30,9 +30,10 @@ Invariants:
   weight shape that every layer has (24 layers of a Qwen2.5-0.5B-sized model), and copies of every layer's weights
   for every such candidate cost seconds on a first call (most of them dropped once the trial is over). Those modules'
   calls take the candidate with the fewest calls (the copying ones catch up there), the other modules' calls the
-  rest, or none (`SKIP`: the caller runs its baseline untimed). A module that has not called for twice as many calls
-  as the trial has callers (a model no longer run, another model of the same shapes now) gives its place up, so a
-  trial always ends while its key is called. The chosen candidate's copies are made where it is called.
+  rest, or none (`SKIP`: the caller runs its baseline untimed). A module that has not called for twice as many module
+  calls as the trial has callers (each call counted once, however many names it passed over) gives its place up (a
+  model no longer run, another model of the same shapes now), so a trial always ends while its key is called. The
+  chosen candidate's copies are made where it is called.
 - `clock` is read through this module (tests put a fake clock here).
 """
 from __future__ import annotations
@@ -82,8 +83,9 @@ class Trial:
     calls: int = 0
     spent: float = 0.0
     pruned: bool = False
-    holders: dict = field(default_factory=dict)  # module (id) whose calls run the copying candidates -> its last call
-    callers: dict = field(default_factory=dict)  # every module (id) that called -> its last call
+    visits: int = 0  # calls of next_call_for (one per module call; `calls` also counts names passed over)
+    holders: dict = field(default_factory=dict)  # module (id) whose calls run the copying candidates -> its last visit
+    callers: dict = field(default_factory=dict)  # every module (id) that called -> its last visit
 
     def __post_init__(self):
         self.names = list(self.products)
@@ -173,12 +175,13 @@ class Table:
             if name is None or trial is None or not copying:
                 return name
             left = [n for n in trial.names if n in copying]
-            trial.callers[holder] = trial.calls
+            trial.visits += 1
+            trial.callers[holder] = trial.visits
             if holder not in trial.holders:  # places of modules that stopped calling (another model's) are free
-                for gone in [h for h, last in trial.holders.items() if trial.calls - last > 2 * len(trial.callers)]:
+                for gone in [h for h, last in trial.holders.items() if trial.visits - last > 2 * len(trial.callers)]:
                     del trial.holders[gone]
             if holder in trial.holders or (left and len(trial.holders) < COPY_HOLDERS):
-                trial.holders[holder] = trial.calls  # the fewest calls first (the copying ones run here only)
+                trial.holders[holder] = trial.visits  # the fewest calls first (the copying ones run here only)
                 return min(trial.names, key=lambda n: (trial.count(n), n != name))
             for _ in range(2 * len(trial.names)):  # any 2n calls in a row hold a whole block: every candidate
                 if name not in copying:

@@ -252,3 +252,15 @@ def test_holders_that_stop_calling_give_their_places_up():
     choice, step, ran, _ = run_layers(table, costs, 8, copying, first=100)  # the second model's 8 modules
     assert choice.path == "copy" and step < 20
     assert len({module for module, names in ran.items() if "copy" in names}) <= trials.COPY_HOLDERS
+
+
+@pytest.mark.parametrize("modules", [8, 24])
+def test_holders_still_calling_keep_their_places_while_other_modules_pass_over_copying_candidates(modules):
+    """Modules beyond the holders pass over the copying candidates in turn (several of the rotation's names for one
+    call); that is not calls of other modules: a holder that calls in every step keeps its place, so no more than
+    COPY_HOLDERS modules ever make a copy (CI once saw a fifth layer copy its weights)."""
+    costs = {BASELINE: 1e-3, "kernel": 0.9e-3, "copy_a": 0.8e-3, "copy_b": 0.85e-3, "copy_c": 0.95e-3}
+    copying = frozenset({"copy_a", "copy_b", "copy_c"})
+    choice, _, ran, _ = run_layers(Table(BASELINE), costs, modules, copying)
+    assert len({module for module, names in ran.items() if names & copying}) <= trials.COPY_HOLDERS
+    assert choice.path == "copy_a"

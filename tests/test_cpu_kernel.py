@@ -104,3 +104,28 @@ def test_native_cpu_decode_kernel_reads_bf16_pages(head_dim, heads, kv_heads, wi
     torch.testing.assert_close(direct.double(), ref, atol=1e-2, rtol=1e-2)
     decode_choice.TABLE.clear()  # the forced choice stays with this test
     assert torch.equal(auto, direct)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_a_step_of_decodes_only_reaches_the_kernel_without_a_decode_tile(monkeypatch):
+    """A step of decodes only calls the kernel with the step's own tables (`AttentionMetadata.decode_tables`: no
+    per-step tile of the decodes is built), columns past every context (blocks held ahead, the null block) included:
+    the same output as the reference."""
+    from hf_paged.attention import AttentionMetadata
+
+    seqs = [(1, n) for n in (1, 15, 16, 17, 100, 33)]
+    query, kc, vc, cu, ctx, tables, keys, values = make_case(seqs, 8, 2, 64, 16, torch.float32, seed=3)
+    wider = torch.cat([tables, torch.randint(0, kc.shape[0], (tables.shape[0], 3), dtype=tables.dtype)], dim=1)
+    ref = reference(query, keys, values, [1] * len(seqs), 0.125, None, None)
+
+    def no_tile(self):
+        raise AssertionError("a decode tile was built for a step of decodes only")
+    monkeypatch.setattr(AttentionMetadata, "all_decodes", no_tile)
+    monkeypatch.setattr(AttentionMetadata, "decode_tiles", no_tile)
+    monkeypatch.setenv(decode_choice.SWITCH, "kernel")
+    decode_choice.TABLE.clear()
+    try:
+        out = paged_attention(query, kc, vc, cu, ctx, wider, scale=0.125, backend="auto")
+    finally:
+        decode_choice.TABLE.clear()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

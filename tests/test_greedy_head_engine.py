@@ -87,7 +87,9 @@ def test_a_model_that_changes_its_heads_output_is_never_screened(forced, in_plac
         handle.remove()
 
 
-def test_a_change_after_the_check_is_refused_not_hidden(forced, one_torch_thread):
+def test_a_change_after_the_check_is_refused_and_the_step_runs_again_with_logits(forced, one_torch_thread):
+    """A model that changes its head's output after the check: the picking step is refused and undone, and the engine
+    runs it again with real logits (no error reaches the caller); every later step computes logits."""
     model = cached_model("llama")
     llm = hf_paged.LLM(model)
     params = hf_paged.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -100,16 +102,29 @@ def test_a_change_after_the_check_is_refused_not_hidden(forced, one_torch_thread
     try:
         engine = llm.engine
         engine.add_request(PROMPTS[1], params, request_id="r")
-        with pytest.raises(RuntimeError, match="LM head"):
-            while engine.has_unfinished:
-                engine.step()
-        assert runner.head_gives_logits is False
         finished = []
-        while engine.has_unfinished:  # the refused step was undone: stepping on computes logits
+        while engine.has_unfinished:
             finished += [r for r in engine.step() if r.is_finished]
-        assert set(finished[0].output_token_ids) == {17}
+        assert runner.head_gives_logits is False
+        assert finished[0].output_token_ids == [17] * 12  # the refused step's token too: computed from logits
     finally:
         handle.remove()
+
+
+def test_a_model_returning_its_heads_output_made_contiguous_takes_picks(forced, one_torch_thread):
+    """OPT's forward returns `lm_head(...).contiguous()`: the real logits come back as they are, and so does the
+    picking steps' placeholder (its `.contiguous()` is itself): picks, HF's tokens."""
+    from hf_paged.bench.models_census import tiny
+
+    model = tiny("opt").eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    tokens, runner = generate(model)
+    assert runner.head_gives_logits is True and runner.greedy_picks > 0
+    assert tokens == plain_tokens(model)
+    for prompt, row in zip(PROMPTS, tokens):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert row == want[0, len(prompt):].tolist()
 
 
 def test_new_weights_give_new_picks(forced, one_torch_thread):

@@ -68,3 +68,15 @@ def test_the_decode_plan_holds_what_the_dense_plan_holds():
                 assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f.name
             else:
                 assert a == b, f.name
+
+
+def test_a_step_of_decodes_only_gives_kernels_its_whole_tables_as_int64_once():
+    """`decode_tables`: a step whose sequences are all decodes hands ragged-length kernels the step's own tables and
+    lengths (int64, the same tensors for every layer), tables wider than the contexts included; any step with
+    another kind of sequence gives None (its rows are not one per sequence)."""
+    meta = build([1, 1, 1], [9, 1, 17])
+    tables, lengths = meta.decode_tables()
+    assert tables.dtype == lengths.dtype == torch.int64 and meta.decode_tables()[0] is tables
+    assert torch.equal(tables, meta.block_tables.long()) and lengths.tolist() == [9, 1, 17]
+    assert meta._decodes is None  # no tile built for it
+    assert build([1, 5], [9, 5]).decode_tables() is None and build([3], [8]).decode_tables() is None

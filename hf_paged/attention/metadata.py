@@ -68,6 +68,7 @@ class AttentionMetadata:
     num_decode_tiles: int = 0  # once built, the first tiles are the decodes, split by context length
     _pending_decodes: list[list[int]] = field(default_factory=list)  # decode tiles whose plans are not built yet
     _decodes: DenseTile | None = None
+    _decode_tables: tuple | None = None  # (block tables, context lengths) as int64, for kernels (`decode_tables`)
     _lists: tuple = ()  # (decode members, cu, query_lens, context_lens, block_tables) for building plans
 
     def _build(self, members: list[int]) -> DenseTile:
@@ -95,6 +96,17 @@ class AttentionMetadata:
             else:
                 self._decodes = self._build(self._lists[0])
         return self._decodes
+
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step of decodes only (every sequence one query row, so row b is sequence b's): the block tables
+        [B, max_blocks] and context lengths [B] as int64, made once per step; None for any other step. What a
+        kernel that reads each sequence's pages up to its length needs, without `all_decodes`' tile (whose table is
+        cut to the longest context: the columns past it are padding either way)."""
+        if self.max_query_len != 1 or not self.num_decode_tiles:
+            return None
+        if self._decode_tables is None:
+            self._decode_tables = (self.block_tables.long(), self.context_lens.long())
+        return self._decode_tables
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],

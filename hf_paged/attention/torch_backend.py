@@ -189,7 +189,7 @@ def torch_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         return run(None)
     # the path measured fastest for this layer shape (decode_choice), torch's own included; pure decode steps time it
     choice = decode_choice.key_of(query.dtype, query.shape[1], key_cache.shape[2], query.shape[2], key_cache.shape[1])
-    pure = bool(metadata.num_decode_tiles) and metadata.all_decodes().rows.numel() == query.shape[0]
+    pure = metadata.decode_tables() is not None
     path, timed = decode_choice.pick(choice, may_time=pure)
     kernel = load_cpu_kernel() if path != decode_choice.BASELINE else None
     native = functools.partial(kernel, path=decode_choice.kernel_path(path)) if kernel is not None else None
@@ -205,11 +205,10 @@ def _paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if key_cache.dtype in FP8_DTYPES:  # fresh prompts too attend over what the pages hold, as every later step does
         key = value = None
     if native is not None and metadata.num_decode_tiles:
-        decodes = metadata.all_decodes()  # one kernel call for every decode: it needs no split by length
-        if decodes.rows.numel() == query.shape[0]:  # a pure decode step: rows are 0..T-1 in order
-            return native(query, key_cache, value_cache, decodes.block_tables, decodes.context_lens.view(-1),
-                          scale, sliding_window, softcap, extras)
-        tiles = [decodes, *metadata.other_tiles()]
+        pure = metadata.decode_tables()
+        if pure is not None:  # a pure decode step: row b is sequence b's
+            return native(query, key_cache, value_cache, *pure, scale, sliding_window, softcap, extras)
+        tiles = [metadata.all_decodes(), *metadata.other_tiles()]  # one kernel call for every decode
     else:
         tiles = [*metadata.decode_tiles(), *metadata.other_tiles()]
     out = torch.empty_like(query)

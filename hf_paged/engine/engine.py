@@ -24,7 +24,7 @@ from .intake import Limits, check_model_len, check_request, tokenize
 from .memory import KVMemory
 from .outputs import parent_output
 from .plan import PreemptionCosts
-from .runner import ModelRunner
+from .runner import HeadOutputChanged, ModelRunner
 from .scheduler import Scheduler
 
 
@@ -239,7 +239,10 @@ class Engine:
             try:
                 if self.memory.cache.released:
                     self.memory.wake_up()
-                return self._step()
+                try:
+                    return self._step()
+                except HeadOutputChanged:  # undone, and the runner computes logits from now on: run it again
+                    return self._step()
             finally:
                 self._in_step = False
                 deferred, self._deferred_aborts = self._deferred_aborts, []

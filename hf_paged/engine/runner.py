@@ -230,6 +230,12 @@ class ModelRunner:
             return False
         if logits is not greedy.output:
             self.head_gives_logits = False
-            raise RuntimeError("the model changed the output of its LM head after hf_paged checked that it returns it "
-                               "untouched: the step is undone; the engine computes full logits from now on")
+            raise HeadOutputChanged("the model changed the output of its LM head after hf_paged checked that it "
+                                    "returns it untouched: the step is undone; the engine computes full logits from "
+                                    "now on")
         return True
+
+
+class HeadOutputChanged(RuntimeError):
+    """A picking step's model returned something other than its LM head's placeholder (`ModelRunner._head_picked`):
+    the step must be undone; the runner no longer asks for picks, so the engine runs it again (`Engine.step`)."""

@@ -37,8 +37,9 @@ Invariants:
 - The model must give back the head's output as its logits, untouched (no soft-capping or scaling after the head):
   the runner checks that on its first greedy step, which computes real logits (`GreedyStep.check`: the very tensor,
   its first row bit for bit); a model that fails it is never screened. Later, the head returns a placeholder shaped
-  like the logits (a 0-d tensor expanded: an in-place edit of it raises); a model that returns anything else has its
-  step refused (the runner).
+  like the logits (`Placeholder`: a 0-d tensor expanded, an in-place edit of it raises, `.contiguous()` is itself);
+  a model that returns anything else has its step refused and undone (the runner), and the engine runs the step
+  again with real logits (`HeadOutputChanged`).
 - A call with any non-finite or huge row (||x_r|| max ||W_j|| >= LIMIT) takes the usual product for all its rows, so
   NaN / inf logits end their requests exactly as without the screen. A copy of a weight with a non-finite row norm
   is not used.
@@ -341,5 +342,17 @@ def greedy_head_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Ten
     if token is None:
         return step.output
     step.token_ids = token
-    step.output = input.new_empty(()).expand(*shape[:-1], self.weight.shape[0])  # shaped like the logits
+    logits_shape = (*shape[:-1], self.weight.shape[0])
+    step.output = torch.Tensor._make_subclass(Placeholder, input.new_empty(()).expand(*logits_shape))
     return step.output
+
+
+class Placeholder(torch.Tensor):
+    """What the head returns in a picking step: shaped like the logits, one 0-d value expanded (never read; an in-place
+    edit raises). `.contiguous()` gives itself back, as it does for the real logits the check saw: OPT's forward
+    returns `lm_head(...).contiguous()`, which on an expanded tensor would make a new one (a full copy) and have the
+    step refused. Every other operation gives a plain tensor, which the runner refuses as before."""
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def contiguous(self, memory_format=torch.contiguous_format):
+        return self

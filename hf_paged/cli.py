@@ -40,6 +40,7 @@ BENCHMARKS = {  # name: what it measures (the modules are hf_paged.bench.NAME)
     "serve": "concurrent streaming clients: hf-paged serve vs transformers serve (TTFT, ITL, tok/s)",
     "calls": "per-call cost of generate(cache_implementation='paged') vs HF generate on tiny models",
     "first_call": "a new process's first generate call (start-up check, trials, copies) vs HF's",
+    "archs": "many model families at one modest size: paged generate vs HF padded generate",
 }
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 

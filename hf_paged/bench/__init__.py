@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 
-NAMES = ("throughput", "prefix", "chunked", "memory", "swap", "beam", "window", "serve", "calls", "first_call")
+NAMES = ("throughput", "prefix", "chunked", "memory", "swap", "beam", "window", "serve", "calls", "first_call", "archs")
 
 
 def load(name: str):

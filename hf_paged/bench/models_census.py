@@ -88,9 +88,9 @@ def model_types() -> list[str]:
     return causal_lm_types()
 
 
-def tiny(model_type: str):
+def tiny(model_type: str, sizes: dict | None = None):
     """The model type built tiny (see the module doc): with the first layer count of `census_layers.plans` it can
-    be built with (of the first TRIES)."""
+    be built with (of the first TRIES). `sizes`: other sizes than SIZES (the same names; `bench archs`)."""
     import torch
 
     from hf_paged.tiny import config_of, model_from_config
@@ -98,9 +98,9 @@ def tiny(model_type: str):
     def build(layers: int, pattern):
         config = config_of(model_type, **census_layers.REPRESENTATIVE.get(model_type, {}))
         text = config.get_text_config(decoder=True)
-        shrink(config, layers)
+        shrink(config, layers, sizes)
         if text is not config:
-            shrink(text, layers)
+            shrink(text, layers, sizes)
         census_layers.adopt(text, pattern)
         for name, value in TYPE_SIZES.get(model_type, {}).items():
             setattr(text, name, value)
@@ -121,11 +121,11 @@ def tiny(model_type: str):
     raise first
 
 
-def shrink(config, layers: int = 2) -> None:
+def shrink(config, layers: int = 2, sizes: dict | None = None) -> None:
     """Set each size of SIZES that the config declares (not None), its layer counts to `layers`, and in its
     SUB_CONFIGS (2 layers; the text config is shrunk by the caller; vision / audio towers are left as they are);
     sizes it cannot take (read-only properties, per-layer attributes) are left as they are."""
-    for name, value in SIZES.items():
+    for name, value in (SIZES if sizes is None else sizes).items():
         try:
             if getattr(config, name, None) is not None:
                 setattr(config, name, layers if name in LAYER_COUNTS else value)
@@ -138,7 +138,7 @@ def shrink(config, layers: int = 2) -> None:
         pass
     for name in SUB_CONFIGS:
         if getattr(config, name, None) is not None:
-            shrink(getattr(config, name))
+            shrink(getattr(config, name), sizes=sizes)
 
 
 def run_one(model_type: str, phase=lambda name: None, cache_check: bool = True, report=lambda part: None) -> dict:

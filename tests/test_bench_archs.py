@@ -12,7 +12,8 @@ def test_a_worker_times_both_systems_on_a_type_built_at_the_benchmarks_sizes(one
     from hf_paged.bench.models_census import tiny
 
     model = tiny("gpt2", archs.SIZES)
-    assert model.config.n_embd == 256 and model.config.vocab_size == 8000  # the census's own sizes left alone:
+    assert model.config.n_embd == 256 and model.config.vocab_size == 8000 and model.config.n_layer == 2
+    # the census's own sizes left alone:
     assert tiny("gpt2").config.n_embd == 64
 
 

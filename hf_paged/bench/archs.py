@@ -22,8 +22,17 @@ import argparse
 import subprocess
 import sys
 
-from .common import default_json, emit_result, format_table, machine_info, machine_load, run_worker, set_threads, \
-    write_json
+from .common import (
+    default_json,
+    emit_result,
+    format_table,
+    machine_info,
+    machine_load,
+    run_worker,
+    set_threads,
+    write_json,
+)
+from .models_census import SIZES as CENSUS_SIZES
 
 # families users run, each a model type the census builds (docs/models.md): Llama-coded ones, others with
 # transformers' own attention modules, mixtures of experts, sliding / full stacks, hybrids
@@ -32,8 +41,9 @@ DEFAULT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text
            "glm", "qwen3_moe", "mixtral", "gpt_bigcode", "codegen", "ernie4_5", "exaone4", "lfm2", "qwen3_5_text",
            "falcon_h1")
 SMALL = ("llama", "gpt2")
-# the census's names (models_census.SIZES), larger: a step of these does matmuls worth timing, not only Python
-SIZES = {"hidden_size": 256, "n_embd": 256, "d_model": 256, "num_attention_heads": 4, "n_head": 4,
+# the census's sizes (models_census.SIZES: its layer counts too), larger: a step does matmuls worth timing, not
+# only Python
+SIZES = {**CENSUS_SIZES, "hidden_size": 256, "n_embd": 256, "d_model": 256, "num_attention_heads": 4, "n_head": 4,
          "attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 688, "ffn_dim": 688, "n_inner": 688,
          "ffn_hidden_size": 688, "vocab_size": 8000, "head_dim": 64, "max_position_embeddings": 512,
          "n_positions": 512, "rotary_dim": 32, "decoder_attention_heads": 4, "decoder_ffn_dim": 688,

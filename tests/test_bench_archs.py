@@ -28,9 +28,9 @@ def test_a_failure_is_reported_with_its_phase(one_torch_thread, monkeypatch):
 
 
 def test_main_counts_only_hf_pageds_failures_and_wrong_tokens(monkeypatch, tmp_path):
-    outcomes = {"a": {"hf_s": 2.0, "paged_s": 1.0, "speedup": 2.0, "same_tokens": True},
+    outcomes = {"a": {"hf_s": 2.0, "paged_s": 1.0, "speedup": 2.0, "same_tokens": True, "rows_same": 16},
                 "b": {"failed": "hf", "error": "HF fails"}, "c": {"failed": "build", "error": "no"},
-                "d": {"hf_s": 1.0, "paged_s": 2.0, "speedup": 0.5, "same_tokens": True}}
+                "d": {"hf_s": 1.0, "paged_s": 2.0, "speedup": 0.5, "same_tokens": True, "rows_same": 16}}
     seen = []
 
     def fake(command, timeout=None):
@@ -42,7 +42,14 @@ def test_main_counts_only_hf_pageds_failures_and_wrong_tokens(monkeypatch, tmp_p
     assert archs.main(["--only", *outcomes, "--json", str(out)]) == 0  # slower is reported, not a failure
     assert [c[c.index("--worker") + 1] for c in seen] == list(outcomes)
     assert json.loads(out.read_text())["results"][3]["speedup"] == 0.5
-    for bad in ({"failed": "paged", "error": "ValueError"}, {"hf_s": 1.0, "paged_s": 1.0, "speedup": 1.0,
-                                                             "same_tokens": False}):
+    flipped = {"hf_s": 1.0, "paged_s": 1.0, "speedup": 1.0, "same_tokens": False, "rows_same": 15}
+    for bad in ({"failed": "paged", "error": "ValueError"}, flipped):
         outcomes["a"] = bad
         assert archs.main(["--only", "a", "b", "--json", str(out)]) == 1
+    assert archs.main(["--only", "a", "b", "--dtype", "bfloat16", "--json", str(out)]) == 0  # bf16: flips allowed
+    assert seen[-1][seen[-1].index("--dtype") + 1] == "bfloat16"
+
+
+def test_a_bf16_worker_casts_the_model_and_counts_the_rows_that_stayed(one_torch_thread):
+    result = archs.measure("llama", requests=3, new_tokens=2, rounds=1, dtype="bfloat16")
+    assert result["dtype"] == "bfloat16" and 0 <= result["rows_same"] <= 3 and result["paged_s"] > 0

@@ -99,12 +99,17 @@ class AttentionMetadata:
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a step of decodes only (every sequence one query row, so row b is sequence b's): the block tables
-        [B, max_blocks] and context lengths [B] as int64, made once per step; None for any other step. What a
-        kernel that reads each sequence's pages up to its length needs, without `all_decodes`' tile (whose table is
-        cut to the longest context: the columns past it are padding either way)."""
+        [B, >= max_blocks] and context lengths [B] as int64; None for any other step. What a kernel that reads each
+        sequence's pages up to its length needs. Where the step's one decode tile exists (a decode graph's static
+        plan, refreshed in place every step, or one built already), its own tensors; else int64 copies of the
+        step's tables, made once (a step's metadata from `build` never changes), without building the tile (whose
+        table is cut to the longest context: the columns past it are padding either way)."""
         if self.max_query_len != 1 or not self.num_decode_tiles:
             return None
-        if self._decode_tables is None:
+        if not self._pending_decodes and self.num_decode_tiles == 1:  # a tile given (a decode graph's static plan,
+            tile = self.tiles[0]  # whose tensors are refreshed in place every step) or built already: its own
+            return tile.block_tables, tile.context_lens.view(-1)
+        if self._decode_tables is None:  # built once: a step's own metadata is not changed after `build`
             self._decode_tables = (self.block_tables.long(), self.context_lens.long())
         return self._decode_tables
 

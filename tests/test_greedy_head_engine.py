@@ -270,3 +270,39 @@ def test_a_bf16_model_takes_int8_picks_with_its_logits_tokens(monkeypatch, one_t
     assert runner.linears.greedy_head is head and runner.greedy_picks > 0 and runner.head_gives_logits is True
     assert packed_linear._INT8.get(head) is not None and packed_linear._COPIES.get(head) is not None
     assert tokens == plain_tokens(model)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h"])
+def test_a_refused_picking_step_of_a_hybrid_is_undone_before_it_runs_again(forced, arch, one_torch_thread):
+    """The state layers advanced their slots in the refused step: running it again must start from the states before
+    it (the step's undo), or every later token would come from states advanced twice. A head's output changed to an
+    equal copy after the check: the engine's tokens stay those of a run without picks."""
+    from hf_paged.tiny import tiny_hybrid
+
+    model = tiny_hybrid(arch)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    params = hf_paged.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 14, 3, 77], [8, 8, 21, 40]]
+    want = plain_tokens(model, params, prompts)
+    llm = hf_paged.LLM(model)
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    runner = llm.engine.runner
+    assert runner.head_gives_logits is True
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    for _ in range(3):  # the prompts and two decode steps with picks: the refused step is a decode step
+        engine.step()
+    assert runner.head_gives_logits is True and runner.greedy_picks > 0
+    handle = model.register_forward_hook(lambda m, a, out: setattr(out, "logits", out.logits + 0) or out)
+    try:
+        got = {}
+        while engine.has_unfinished:
+            for r in engine.step():
+                if r.is_finished:
+                    got[r.parent.request_id] = list(r.output_token_ids)
+    finally:
+        handle.remove()
+    assert runner.head_gives_logits is False
+    assert [got[str(i)] for i in range(len(prompts))] == want

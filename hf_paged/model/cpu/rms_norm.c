@@ -122,3 +122,40 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
         free(h);
     }
 }
+
+/* Gemma's RMSNorm (GemmaRMSNorm, Gemma2's, Gemma3's: one code) computes the same normalized row in fp32 and scales it
+ * by (1 + weight) before its one cast: out = ((h * r) * (1 + w)).to(x's dtype), 1 + w and each product rounded to
+ * fp32 (bf16 weights widened exactly first), a bf16 output rounded once, to nearest even. */
+void gemma_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n,
+                        float eps, int lanes) {
+#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *restrict h = x + r * x_stride;
+        float *restrict o = out + r * n;
+        const float var = sum_squares(h, n, lanes) / (float)n;
+        const float inv = 1.f / sqrtf(var + eps);
+        for (int64_t i = 0; i < n; ++i) o[i] = (h[i] * inv) * (1.f + w[i]);
+    }
+}
+
+void gemma_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows,
+                         int64_t n, float eps, int lanes) {
+#pragma omp parallel if (rows * n >= PARALLEL_ELEMENTS)
+    {
+        float *h = malloc((size_t)(n > 0 ? n : 1) * sizeof *h);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const uint16_t *restrict row = x + r * x_stride;
+            uint16_t *restrict o = out + r * n;
+            if (h == NULL) { /* as rms_norm_bf16 */
+                for (int64_t i = 0; i < n; ++i) o[i] = 0x7fc0;
+                continue;
+            }
+            for (int64_t i = 0; i < n; ++i) h[i] = bf16_to_float(row[i]);
+            const float var = sum_squares(h, n, lanes) / (float)n;
+            const float inv = 1.f / sqrtf(var + eps);
+            for (int64_t i = 0; i < n; ++i) o[i] = float_to_bf16((h[i] * inv) * (1.f + bf16_to_float(w[i])));
+        }
+        free(h);
+    }
+}

@@ -1,7 +1,7 @@
 """The native attention of fresh prompts (hf_paged/attention/prefill_kernel.py, cpu/prefill_attention.c): SDPA's
-results up to rounding (fp32, bf16; head dims 64, 128 and 256; GQA groups; lengths around its 16-row blocks), and
-torch's path's with sliding windows, chunks, soft-caps and sinks; only where it applies, chosen only by its trial
-(one per shape and limits), switchable, and engines that take it give HF's tokens (Llama; gemma2's windows and
+results up to rounding (fp32, bf16; head dims 64, 80, 96, 128 and 256; GQA groups; lengths around its 16-row
+blocks), and torch's path's with sliding windows, chunks, soft-caps and sinks; only where it applies, chosen only by
+its trial (one per shape and limits), switchable, and engines that take it give HF's tokens (Llama; gemma2's windows and
 soft-caps, gpt-oss's sinks, llama4's chunks, gemma3's head dim 256). Speeds are never measured here: a fake clock
 advances by fixed costs."""
 import itertools
@@ -43,7 +43,8 @@ def inputs(length, heads, kv_heads, head_dim, dtype, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("length, heads, kv_heads, head_dim", [(1, 8, 2, 64), (15, 4, 4, 64), (16, 6, 3, 64),
                                                                (17, 8, 2, 128), (100, 8, 1, 64), (40, 2, 2, 128),
-                                                               (33, 4, 1, 256)])
+                                                               (33, 4, 1, 256), (37, 8, 2, 80), (70, 6, 2, 96),
+                                                               (1, 4, 4, 96), (16, 4, 1, 80)])
 def test_sdpas_attention_up_to_rounding(dtype, length, heads, kv_heads, head_dim):
     q, k, v = inputs(length, heads, kv_heads, head_dim, dtype)
     scale = head_dim ** -0.5
@@ -63,7 +64,7 @@ LIMITS = list(itertools.product((None, 5, 40), (None, 16), (None, 3.0, 1000.0), 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
 @pytest.mark.parametrize("length", [1, 17, 100])
 def test_windows_chunks_softcaps_and_sinks_as_torchs_path(monkeypatch, dtype, head_dim, length):
     """`_attend_fresh` with the kernel forced against the same call on torch's path (SDPA with a mask, or the
@@ -129,6 +130,8 @@ def test_only_what_it_implements():
     assert prefill_kernel.takes(q, k, v)
     assert not prefill_kernel.takes(*inputs(20, 8, 2, 32, torch.float32))  # head dim
     assert prefill_kernel.takes(*inputs(20, 8, 2, 256, torch.float32))
+    assert prefill_kernel.takes(*inputs(20, 8, 2, 80, torch.float32)) and prefill_kernel.takes(*inputs(5, 4, 1, 96,
+                                                                                                     torch.bfloat16))
     assert prefill_kernel.takes(q, k, v, softcap=30.0, sinks=torch.zeros(8))
     assert not prefill_kernel.takes(q, k, v, sinks=torch.zeros(4))  # one sink per query head
     assert not prefill_kernel.takes(q, k, v, sinks=torch.tensor([0.0] * 7 + [float("inf")]))
@@ -229,12 +232,13 @@ def test_switched_off_or_forced(monkeypatch):
     assert calls == {"kernel": 1, "torch": 21}
 
 
+@pytest.mark.parametrize("head_dim", [64, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_engine_that_takes_it_gives_hfs_tokens(monkeypatch, dtype):
-    """Forced: every fresh prompt's attention in the kernel (head dim 64), prefill in chunks and whole."""
+def test_an_engine_that_takes_it_gives_hfs_tokens(monkeypatch, dtype, head_dim):
+    """Forced: every fresh prompt's attention in the kernel (head dim 64; 96, Phi-3's), prefill in chunks and whole."""
     calls, _ = counting(monkeypatch)
     monkeypatch.setenv(prefill_kernel.SWITCH, "kernel")
-    model = peaked(tiny_model("llama", head_dim=64).to(dtype))
+    model = peaked(tiny_model("llama", head_dim=head_dim).to(dtype))
     llm = hf_paged.LLM(model, block_size=4, max_num_batched_tokens=64)
     assert_hfs_tokens(llm, model, [list(range(3, 60)), [5, 9, 13, 2, 7, 11, 3, 8], [4, 4, 9]], 10)
     assert calls["kernel"] > 0

@@ -15,7 +15,7 @@ Invariants:
 - Only for what the kernel implements: causal attention of a prompt's new tokens over the keys before them and
   their own (bottom-right), optionally within a sliding window and / or attention chunks, with tanh soft-capping
   and / or per-head sinks (finite; as `LayerExtras` defines them), no ALiBi or relative logits (the caller checks);
-  fp32 or bf16 CPU tensors (and pages) of one dtype, head dim 64, 128 or 256, query heads a multiple of the
+  fp32 or bf16 CPU tensors (and pages) of one dtype, head dim 64, 80, 96, 128 or 256, query heads a multiple of the
   key/value heads, no gradient wanted. Anything else is torch's path.
 - Chosen per (dtype, heads, kv heads, head dim, key-count bucket (a power of two; a tile's: its longest), torch
   threads, which of window / chunk (where shorter than the keys), soft-cap, sinks and cached keys it has; a tile of
@@ -43,7 +43,7 @@ from .. import native, trials
 SOURCE = Path(__file__).with_name("cpu") / "prefill_attention.c"
 SWITCH = "HF_PAGED_CPU_PREFILL"
 BASELINE = "torch"  # SDPA, or the explicit scores
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 256)
 EXTRAS = frozenset({"chunked", "sinks"})  # the `LayerExtras` the kernel implements (with windows and soft-caps)
 TABLE = trials.Table(BASELINE)
 

@@ -15,8 +15,9 @@
  * no value, as hf_paged's `_explicit`. The same arithmetic as torch's in another order, with an exp within 3e-7
  * relative (the scores minus their maximum are <= 0; below -87.3 it is taken at -87.3, ~1e-38) and a tanh within
  * 1e-7 absolute (measured over [-40, 40]).
- * Head dims 64, 128 and 256 only (the loops are compiled for each); `prefill_attend` returns 0 when it ran, -1 for any
- * other head dim (the caller then runs torch's path).
+ * Head dims 64, 80, 96, 128 and 256 only (the loops are compiled for each; the outputs are summed DC columns at a
+ * time: 64, or the whole row for 80 and 48 twice for 96); `prefill_attend` returns 0 when it ran, -1 for any other
+ * head dim (the caller then runs torch's path).
  * The blocks of 16 query rows of a key/value head's query heads are spread over `threads` OpenMP threads (the
  * libgomp torch loaded: built with -fopenmp like the decode kernel), each with its own part of the scratch.
  * scratch: floats, 2 * D * Lp + threads * (16 * D + 16 * Lp), Lp = off + L rounded up to a multiple of 16. */
@@ -31,7 +32,6 @@ static int omp_get_thread_num(void) { return 0; }
 
 #define RB 16 /* query rows per block */
 #define KB 16 /* keys per tile */
-#define DC 64 /* output columns per pass over the values */
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } v; v.u = ((uint32_t)x) << 16; return v.f;
@@ -103,7 +103,7 @@ static inline int64_t first_key(int64_t i, int64_t window, int64_t chunk) {  /* 
     return lo;
 }
 
-#define ATTEND(NAME, DD) \
+#define ATTEND(NAME, DD, DC) /* DC: output columns per pass over the values (divides DD) */ \
 static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64_t L, int64_t H, int64_t G, \
                  float scale, int dtype, float *scratch, int threads, int64_t window, int64_t chunk, \
                  float softcap, const float *sinks, int64_t off) { \
@@ -195,15 +195,21 @@ static void NAME(const void *q_, const void *k_, const void *v_, void *o_, int64
         } \
     } \
 }
-ATTEND(attend_64, 64)
-ATTEND(attend_128, 128)
-ATTEND(attend_256, 256)
+ATTEND(attend_64, 64, 64)
+ATTEND(attend_80, 80, 80)
+ATTEND(attend_96, 96, 48)
+ATTEND(attend_128, 128, 64)
+ATTEND(attend_256, 256, 64)
 
 int prefill_attend(const void *q, const void *k, const void *v, void *o, int64_t L, int64_t H, int64_t G,
                    int64_t D, float scale, int dtype, float *scratch, int threads, int64_t window, int64_t chunk,
                    float softcap, const float *sinks, int64_t off) {
     if (L <= 0 || off < 0 || G <= 0 || H % G != 0 || threads < 1) return -1;
     if (D == 64) attend_64(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks, off);
+    else if (D == 80)
+        attend_80(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks, off);
+    else if (D == 96)
+        attend_96(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks, off);
     else if (D == 128)
         attend_128(q, k, v, o, L, H, G, scale, dtype, scratch, threads, window, chunk, softcap, sinks, off);
     else if (D == 256)

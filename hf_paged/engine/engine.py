@@ -231,7 +231,9 @@ class Engine:
 
         All or nothing: if any of the four calls raises (Exception or BaseException, e.g. KeyboardInterrupt), every
         request, block table, the block pool, the swap space and the random state are put back as they were before
-        it, and the error propagates; stepping on gives the tokens an undisturbed run gives."""
+        it, and the error propagates; stepping on gives the tokens an undisturbed run gives. One exception: a step
+        whose LM head picks the model did not hand back (`runner.HeadOutputChanged`) is undone and run again at once,
+        with real logits."""
         with self.lock:
             if self._in_step:
                 raise RuntimeError("Engine.step called from inside a step of the same thread")

@@ -38,14 +38,19 @@ def plain_tokens(model, params=None, prompts=PROMPTS):
     return tokens
 
 
-def test_the_engine_picks_on_greedy_steps_with_hfs_tokens(forced, one_torch_thread):
-    model = cached_model("llama")
+def assert_picks_with_hfs_tokens(model):
+    """The engine's greedy steps took the head's picks, and its tokens are those without picks and HF's own."""
     tokens, runner = generate(model)
     assert runner.head_gives_logits is True and runner.greedy_picks > 0
     assert tokens == plain_tokens(model)
     for prompt, row in zip(PROMPTS, tokens):
         want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert row == want[0, len(prompt):].tolist()
+
+
+def test_the_engine_picks_on_greedy_steps_with_hfs_tokens(forced, one_torch_thread):
+    model = cached_model("llama")
+    assert_picks_with_hfs_tokens(model)
 
 
 @pytest.mark.parametrize("params", [
@@ -119,12 +124,7 @@ def test_a_model_returning_its_heads_output_made_contiguous_takes_picks(forced, 
     model = tiny("opt").eval()
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
-    tokens, runner = generate(model)
-    assert runner.head_gives_logits is True and runner.greedy_picks > 0
-    assert tokens == plain_tokens(model)
-    for prompt, row in zip(PROMPTS, tokens):
-        want = model.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
-        assert row == want[0, len(prompt):].tolist()
+    assert_picks_with_hfs_tokens(model)
 
 
 def test_new_weights_give_new_picks(forced, one_torch_thread):

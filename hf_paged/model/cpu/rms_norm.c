@@ -85,20 +85,27 @@ static inline float sum_squares(const float *restrict h, int64_t n, int lanes) {
     return lanes == 16 ? sum_squares_16(h, n) : sum_squares_8(h, n);
 }
 
-void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n,
-                  float eps, int lanes) {
+/* The rows of either formula: Llama's out = w * (h * r) (bf16: h * r rounded to bf16 first, as `.to(input_dtype)`,
+ * then the product rounded), or, with `gemma`, Gemma's out = ((h * r) * (1 + w)) cast once (GemmaRMSNorm, Gemma 2's
+ * and 3's: 1 + w and each product rounded to fp32, bf16 weights widened exactly first). `gemma` is a constant at each
+ * call below, so each function gets its own loop. */
+static inline void rows_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n,
+                            float eps, int lanes, int gemma) {
 #pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; ++r) {
         const float *restrict h = x + r * x_stride;
         float *restrict o = out + r * n;
         const float var = sum_squares(h, n, lanes) / (float)n;
         const float inv = 1.f / sqrtf(var + eps);
-        for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (h[i] * inv);
+        if (gemma)
+            for (int64_t i = 0; i < n; ++i) o[i] = (h[i] * inv) * (1.f + w[i]);
+        else
+            for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (h[i] * inv);
     }
 }
 
-void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows,
-                   int64_t n, float eps, int lanes) {
+static inline void rows_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows,
+                             int64_t n, float eps, int lanes, int gemma) {
     /* each thread widens its rows into a buffer of its own, sized here: nothing depends on the team's size */
 #pragma omp parallel if (rows * n >= PARALLEL_ELEMENTS)
     {
@@ -114,48 +121,34 @@ void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint1
             for (int64_t i = 0; i < n; ++i) h[i] = bf16_to_float(row[i]);
             const float var = sum_squares(h, n, lanes) / (float)n;
             const float inv = 1.f / sqrtf(var + eps);
-            for (int64_t i = 0; i < n; ++i) {
-                const float normed = bf16_to_float(float_to_bf16(h[i] * inv)); /* .to(input_dtype) */
-                o[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
-            }
+            if (gemma)
+                for (int64_t i = 0; i < n; ++i) o[i] = float_to_bf16((h[i] * inv) * (1.f + bf16_to_float(w[i])));
+            else
+                for (int64_t i = 0; i < n; ++i) {
+                    const float normed = bf16_to_float(float_to_bf16(h[i] * inv)); /* .to(input_dtype) */
+                    o[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+                }
         }
         free(h);
     }
 }
 
-/* Gemma's RMSNorm (GemmaRMSNorm, Gemma2's, Gemma3's: one code) computes the same normalized row in fp32 and scales it
- * by (1 + weight) before its one cast: out = ((h * r) * (1 + w)).to(x's dtype), 1 + w and each product rounded to
- * fp32 (bf16 weights widened exactly first), a bf16 output rounded once, to nearest even. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n, float eps,
+                  int lanes) {
+    rows_f32(x, x_stride, w, out, rows, n, eps, lanes, 0);
+}
+
+void rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows, int64_t n,
+                   float eps, int lanes) {
+    rows_bf16(x, x_stride, w, out, rows, n, eps, lanes, 0);
+}
+
 void gemma_rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows, int64_t n,
                         float eps, int lanes) {
-#pragma omp parallel for schedule(static) if (rows * n >= PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; ++r) {
-        const float *restrict h = x + r * x_stride;
-        float *restrict o = out + r * n;
-        const float var = sum_squares(h, n, lanes) / (float)n;
-        const float inv = 1.f / sqrtf(var + eps);
-        for (int64_t i = 0; i < n; ++i) o[i] = (h[i] * inv) * (1.f + w[i]);
-    }
+    rows_f32(x, x_stride, w, out, rows, n, eps, lanes, 1);
 }
 
 void gemma_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, uint16_t *out, int64_t rows,
                          int64_t n, float eps, int lanes) {
-#pragma omp parallel if (rows * n >= PARALLEL_ELEMENTS)
-    {
-        float *h = malloc((size_t)(n > 0 ? n : 1) * sizeof *h);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; ++r) {
-            const uint16_t *restrict row = x + r * x_stride;
-            uint16_t *restrict o = out + r * n;
-            if (h == NULL) { /* as rms_norm_bf16 */
-                for (int64_t i = 0; i < n; ++i) o[i] = 0x7fc0;
-                continue;
-            }
-            for (int64_t i = 0; i < n; ++i) h[i] = bf16_to_float(row[i]);
-            const float var = sum_squares(h, n, lanes) / (float)n;
-            const float inv = 1.f / sqrtf(var + eps);
-            for (int64_t i = 0; i < n; ++i) o[i] = float_to_bf16((h[i] * inv) * (1.f + bf16_to_float(w[i])));
-        }
-        free(h);
-    }
+    rows_bf16(x, x_stride, w, out, rows, n, eps, lanes, 1);
 }

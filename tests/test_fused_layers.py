@@ -298,4 +298,5 @@ def test_trials_copy_the_weights_of_a_few_layers_only(monkeypatch, dtype):
     layer_keys = [key for key in holders if str(key.dtype).startswith("layer")]
     assert layer_keys and any(key.dtype == dtype for key in holders)
     assert all(len(modules) <= trials.COPY_HOLDERS for modules in holders.values())
-    assert any(len(others.get(key, ())) > trials.COPY_HOLDERS for key in layer_keys)  # the rest ran the class forward
+    # the rest ran the class forward (how often a holder did too depends on the timings)
+    assert any(others.get(key, set()) - holders[key] for key in layer_keys)

@@ -298,5 +298,5 @@ def test_trials_copy_the_weights_of_a_few_layers_only(monkeypatch, dtype):
     layer_keys = [key for key in holders if str(key.dtype).startswith("layer")]
     assert layer_keys and any(key.dtype == dtype for key in holders)
     assert all(len(modules) <= trials.COPY_HOLDERS for modules in holders.values())
-    # the rest ran the class forward (how often a holder did too depends on the timings)
-    assert any(others.get(key, set()) - holders[key] for key in layer_keys)
+    # more modules ran a timed call than hold places: the rest ran the class forward (not SKIP, not a copy)
+    assert any(len(holders[key] | others.get(key, set())) > trials.COPY_HOLDERS for key in layer_keys)

@@ -79,6 +79,13 @@ def test_which_modules_fuse():
     assert not is_llama_rms_norm(sub) and fused_norms.norm_kind(sub) is None
     other_norm = type("Other", (GemmaRMSNorm,), {"_norm": lambda self, x: x})(8)
     assert fused_norms.norm_kind(other_norm) is None
+    copy = type("Copy", (GemmaRMSNorm,), {})  # the same code: fuses, until its forward or _norm is patched
+    assert fused_norms.norm_kind(copy(8)) == "gemma"
+    copy.forward = lambda self, x: GemmaRMSNorm.forward(self, x) * 2
+    assert fused_norms.norm_kind(copy(8)) is None
+    own = GemmaRMSNorm(8)
+    own._norm = lambda x: x  # an instance's own _norm: its forward calls that one
+    assert fused_norms.norm_kind(own) is None
     norms = FusedNorms(net)
     assert norms.modules == [net.norm, net.other, net.gemma]
     net.other.forward = lambda h: torch.zeros_like(h)  # a hook's or wrapper's forward stays in place

@@ -83,13 +83,6 @@ def fused_norms_status() -> str:
     return _status.get("reason", "not tried")
 
 
-@functools.lru_cache(maxsize=1)
-def _reference_code():
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    return LlamaRMSNorm.forward.__code__
-
-
 def _reference_class(kind: str):
     if kind == GEMMA:
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -100,30 +93,34 @@ def _reference_class(kind: str):
     return LlamaRMSNorm
 
 
-@functools.lru_cache(maxsize=None)
 def _class_kind(cls) -> str | None:
     """LLAMA where the class's forward has LlamaRMSNorm.forward's code; GEMMA where its forward and `_norm` have
-    GemmaRMSNorm's (Gemma 2's and 3's are the same code); else None."""
-    code = getattr(getattr(cls, "forward", None), "__code__", None)
-    if code is None:
+    GemmaRMSNorm's (Gemma 2's and 3's are the same code); else None. Read from the class's code objects on every call
+    (a forward patched into the class later is seen), decided once per pair of them."""
+    norm = getattr(cls, "_norm", None)
+    return _code_kind(getattr(getattr(cls, "forward", None), "__code__", None), getattr(norm, "__code__", None))
+
+
+@functools.lru_cache(maxsize=None)
+def _code_kind(forward, norm) -> str | None:
+    if forward is None:
         return None
-    if _same_code(code, _reference_code()):
+    if _same_code(forward, _reference_class(LLAMA).forward.__code__):
         return LLAMA
     gemma = _reference_class(GEMMA)
-    norm = getattr(getattr(cls, "_norm", None), "__code__", None)
-    if _same_code(code, gemma.forward.__code__) and norm is not None and _same_code(norm, gemma._norm.__code__):
+    if _same_code(forward, gemma.forward.__code__) and norm is not None and _same_code(norm, gemma._norm.__code__):
         return GEMMA
     return None
 
 
 def norm_kind(module: torch.nn.Module) -> str | None:
     """Which formula `module` computes (`_class_kind`), where it also holds a 1-d `weight` parameter and a float
-    epsilon (`variance_epsilon`, Gemma's `eps`); None: neither."""
+    epsilon (`variance_epsilon`, Gemma's `eps`) and no `_norm` of its own; None: neither."""
     kind = _class_kind(type(module))
     weight = getattr(module, "weight", None)
     eps = getattr(module, "eps" if kind == GEMMA else "variance_epsilon", None)
     return kind if (kind is not None and isinstance(weight, torch.nn.Parameter) and type(weight.data) is torch.Tensor
-                    and weight.dim() == 1 and isinstance(eps, (float, int))) else None
+                    and weight.dim() == 1 and isinstance(eps, (float, int)) and "_norm" not in vars(module)) else None
 
 
 def _same_code(a, b) -> bool:

@@ -22,20 +22,39 @@ def steps(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("length,heads,start", [(5, 4, False), (37, 2, True), (48, 4, True)])
-def test_chunk_rule_matches_transformers(length, heads, start):
-    """Several chunks, a partial last one, grouped heads, an initial state: transformers' outputs and final state."""
+@pytest.mark.parametrize("length,heads,start,v_dim", [(5, 4, False, 8), (37, 2, True, 40), (48, 4, True, 8),
+                                                     (20, 1, True, 64)])
+def test_chunk_rule_matches_transformers(steps, monkeypatch, length, heads, start, v_dim):
+    """Several chunks, a partial last one, grouped heads, an initial state, value dims in whole blocks of the native
+    kernel's columns and past them: transformers' outputs and final state; natively token by token where the native
+    steps build (the initial state left as it was), the chunked form without them."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
 
+    sequences = []
+    if steps == "native":
+        native = gated_delta.native_steps()
+
+        class Counting:
+            def __getattr__(self, name):
+                return getattr(native, name)
+
+            def gdn_seq(self, *args):
+                sequences.append(args[7:9])  # batch, length
+                return native.gdn_seq(*args)
+
+        monkeypatch.setattr(gated_delta, "native_steps", Counting)
     gen = torch.Generator().manual_seed(length)
     q, k = (torch.randn(2, length, heads, 16, generator=gen) for _ in range(2))
-    v = torch.randn(2, length, 4, 8, generator=gen)
+    v = torch.randn(2, length, 4, v_dim, generator=gen)
     g, beta = -torch.rand(2, length, 4, generator=gen), torch.rand(2, length, 4, generator=gen)
-    state = torch.randn(2, 4, 16, 8, generator=gen) if start else None
-    args = dict(g=g, beta=beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    want_out, want_state = reference(q, k, v, **args)
-    got_out, got_state = gated_delta.chunk_rule(reference, chunk=16)(q, k, v, **args)
+    state = torch.randn(2, 4, 16, v_dim, generator=gen) if start else None
+    kept = None if state is None else state.clone()
+    args = dict(g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_out, want_state = reference(q, k, v, initial_state=state, **args)
+    got_out, got_state = gated_delta.chunk_rule(reference, chunk=16)(q, k, v, initial_state=state, **args)
     assert torch.allclose(got_out, want_out, atol=1e-5) and torch.allclose(got_state, want_state, atol=1e-5)
+    assert sequences == ([(2, length)] if steps == "native" else [])
+    assert state is None or torch.equal(state, kept)
 
 
 def test_recurrent_step_matches_transformers_in_place():
@@ -58,17 +77,19 @@ def test_recurrent_step_torch_fallback_matches_transformers(monkeypatch):
     test_recurrent_step_matches_transformers_in_place()
 
 
-@pytest.mark.parametrize("length,bias", [(1, False), (6, True)])
-def test_conv_step_continues_the_window(steps, length, bias):
+@pytest.mark.parametrize("length,bias,width", [(1, False, 4), (6, True, 4), (1, True, 2), (1, False, 3), (1, True, 5),
+                                              (3, True, 3)])
+def test_conv_step_continues_the_window(steps, length, bias, width):
     """After a stored window, `length` new tokens: the depthwise causal convolution (+ SiLU) over the window and the
-    tokens, and the window's last kernel-size columns kept, as transformers' conv1d path gives."""
+    tokens, and the window's last kernel-size columns kept, as transformers' conv1d path gives (kernel widths the
+    native step compiles apart, and one it does not)."""
     from hf_paged.model.state_layers import StateView
 
     gen = torch.Generator().manual_seed(length)
-    conv1d = torch.nn.Conv1d(12, 12, kernel_size=4, groups=12, padding=3, bias=bias)
+    conv1d = torch.nn.Conv1d(12, 12, kernel_size=width, groups=12, padding=width - 1, bias=bias)
     with torch.no_grad():
-        conv1d.weight.copy_(torch.randn(12, 1, 4, generator=gen))
-    window = torch.randn(2, 12, 4, generator=gen)
+        conv1d.weight.copy_(torch.randn(12, 1, width, generator=gen))
+    window = torch.randn(2, 12, width, generator=gen)
     x = torch.randn(2, 12, length, generator=gen)
     slots = StateSlots("cpu", 2)
     slots.write((0, "conv", 0), torch.arange(2), window)
@@ -83,5 +104,5 @@ def test_conv_step_continues_the_window(steps, length, bias):
         want = F.silu(F.conv1d(full, conv1d.weight, conv1d.bias, groups=12)[..., -length:])
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     view.write_back()
-    torch.testing.assert_close(slots.tensors[(0, "conv", 0)], full[..., -4:])
+    torch.testing.assert_close(slots.tensors[(0, "conv", 0)], full[..., -width:])
     assert bool(calls) == (steps == "torch" and length > 1)

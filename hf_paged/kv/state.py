@@ -75,7 +75,7 @@ class StateSlots:
     @torch.inference_mode()
     def _grow(self, capacity: int) -> None:
         for key, tensor in self.tensors.items():
-            bigger = tensor.new_zeros((capacity, *tensor.shape[1:]))
+            bigger = tensor.new_empty((capacity, *tensor.shape[1:]))  # (not zeroed: see `write`)
             bigger[:self.capacity] = tensor
             self.tensors[key] = bigger
         self._free = list(range(capacity - 1, self.capacity - 1, -1)) + self._free
@@ -96,7 +96,9 @@ class StateSlots:
         when `values` is the slots' own storage (`read` with their `span`)."""
         tensor = self.tensors.get(key)
         if tensor is None:
-            tensor = self.tensors[key] = values.new_zeros((self.capacity, *values.shape[1:]))
+            # not zeroed (every slot is written before it is read, see the class): a tensor for every slot the
+            # engine may hold can be large (128 sequences' recurrent states), and untouched pages cost no memory
+            tensor = self.tensors[key] = values.new_empty((self.capacity, *values.shape[1:]))
         elif tensor.shape[1:] != values.shape[1:] or tensor.dtype != values.dtype:
             raise ValueError(f"state {key} changed shape or dtype: {tuple(tensor.shape[1:])} {tensor.dtype} -> "
                              f"{tuple(values.shape[1:])} {values.dtype}")

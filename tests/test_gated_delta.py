@@ -22,6 +22,21 @@ def steps(request, monkeypatch):
     return request.param
 
 
+def _native_calls(monkeypatch, steps: str, name: str, what) -> list:
+    """What each call of the native steps' `name` was given (`what(args)`), with the native steps in use."""
+    calls = []
+    if steps == "native":
+        native = gated_delta.native_steps()
+
+        class Counting:
+            def __getattr__(self, attribute):
+                function = getattr(native, attribute)
+                return (lambda *args: calls.append(what(args)) or function(*args)) if attribute == name else function
+
+        monkeypatch.setattr(gated_delta, "native_steps", Counting)
+    return calls
+
+
 @pytest.mark.parametrize("length,heads,start,v_dim", [(5, 4, False, 8), (37, 2, True, 40), (48, 4, True, 8),
                                                      (20, 1, True, 64)])
 def test_chunk_rule_matches_transformers(steps, monkeypatch, length, heads, start, v_dim):
@@ -30,19 +45,7 @@ def test_chunk_rule_matches_transformers(steps, monkeypatch, length, heads, star
     steps build (the initial state left as it was), the chunked form without them."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
 
-    sequences = []
-    if steps == "native":
-        native = gated_delta.native_steps()
-
-        class Counting:
-            def __getattr__(self, name):
-                return getattr(native, name)
-
-            def gdn_seq(self, *args):
-                sequences.append(args[7:9])  # batch, length
-                return native.gdn_seq(*args)
-
-        monkeypatch.setattr(gated_delta, "native_steps", Counting)
+    sequences = _native_calls(monkeypatch, steps, "gdn_seq", lambda args: args[7:9])  # batch, length
     gen = torch.Generator().manual_seed(length)
     q, k = (torch.randn(2, length, heads, 16, generator=gen) for _ in range(2))
     v = torch.randn(2, length, 4, v_dim, generator=gen)
@@ -106,3 +109,36 @@ def test_conv_step_continues_the_window(steps, length, bias, width):
     view.write_back()
     torch.testing.assert_close(slots.tensors[(0, "conv", 0)], full[..., -width:])
     assert bool(calls) == (steps == "torch" and length > 1)
+
+
+@pytest.mark.parametrize("width,bias", [(4, True), (3, False)])
+def test_conv_step_of_a_bf16_model(steps, monkeypatch, width, bias):
+    """A bf16 model's single-token step: what a bf16 convolution (fp32 sums and bias, one rounding) and SiLU on its
+    bf16 output give, bit for bit; natively where the steps build (transformers' own code not called)."""
+    from hf_paged.model.state_layers import StateView
+    from transformers.models.qwen3_5.modeling_qwen3_5 import causal_conv1d_forward
+
+    gen = torch.Generator().manual_seed(width)
+    channels = 256
+    conv1d = torch.nn.Conv1d(channels, channels, kernel_size=width, groups=channels, padding=width - 1, bias=bias)
+    with torch.no_grad():
+        conv1d.weight.copy_(torch.randn(channels, 1, width, generator=gen))
+        if bias:
+            conv1d.bias.copy_(torch.randn(channels, generator=gen))
+    conv1d = conv1d.to(torch.bfloat16)
+    window = torch.randn(3, channels, width, generator=gen).bfloat16()
+    x = torch.randn(3, channels, 1, generator=gen).bfloat16()
+    slots = StateSlots("cpu", 3)
+    slots.write((0, "conv", 0), torch.arange(3), window)
+    view = StateView(slots, 0, StateRun(torch.tensor([0, 1, 2]), torch.arange(3), False), "test")
+    calls, native = [], _native_calls(monkeypatch, steps, "conv_bf16", lambda args: args[5:8])
+    step = gated_delta.conv_step(lambda *a, **k: calls.append(1) or causal_conv1d_forward(*a, **k))
+    with torch.no_grad():
+        out = step(conv1d, x, view, 0, activation="silu")
+        full = torch.cat((window, x), dim=-1)
+        want = F.silu(F.conv1d(full, conv1d.weight, conv1d.bias, groups=channels)[..., -1:])
+    assert native == ([(3, channels, width)] if steps == "native" else [])
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    view.write_back()
+    assert torch.equal(slots.tensors[(0, "conv", 0)], full[..., -width:])
+    assert not calls

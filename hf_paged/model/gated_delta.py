@@ -17,7 +17,8 @@ made from the function it replaces (`original`), which it calls for anything it 
   chunks), both triangular solves as one, and a chunk size of `CHUNK` tokens (64 in transformers: the intra-chunk
   work per token grows with the chunk, the scan's steps shrink).
 - `conv_step` (a single token from a stored window on a `StateView`): the new window (the stored one shifted by the
-  token) becomes the state and its products with the kernel the output.
+  token) becomes the state and its products with the kernel the output; natively for fp32 and bf16 windows (bf16:
+  what a bf16 convolution and SiLU give, bit for bit).
 """
 from __future__ import annotations
 
@@ -36,19 +37,20 @@ ACTIVATIONS = {None: 0, "silu": 1, "swish": 1}  # the convolution's activations 
 
 
 class NativeSteps:
-    """`gdn_step_f32`, `gdn_seq_f32`, `conv_step_f32` and `conv_seq_f32` of cpu/gated_delta.c (fp32, contiguous CPU
-    tensors; callers check)."""
+    """`gdn_step_f32`, `gdn_seq_f32`, `conv_step_f32`, `conv_step_bf16` and `conv_seq_f32` of cpu/gated_delta.c
+    (contiguous CPU tensors of their dtype; callers check)."""
 
     def __init__(self, path: Path):
         library = ctypes.CDLL(str(path))
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self.gdn, self.conv, self.conv_seq = library.gdn_step_f32, library.conv_step_f32, library.conv_seq_f32
-        self.gdn_seq = library.gdn_seq_f32
+        self.gdn_seq, self.conv_bf16 = library.gdn_seq_f32, library.conv_step_bf16
         self.gdn.argtypes = [ptr] * 7 + [i64] * 6 + [f32]
         self.gdn_seq.argtypes = [ptr] * 7 + [i64] * 7 + [f32]
-        self.conv.argtypes = [ptr] * 5 + [i64] * 4
+        self.conv.argtypes = self.conv_bf16.argtypes = [ptr] * 5 + [i64] * 4
         self.conv_seq.argtypes = [ptr] * 4 + [i64] * 6
-        self.gdn.restype = self.gdn_seq.restype = self.conv.restype = self.conv_seq.restype = None
+        self.gdn.restype = self.gdn_seq.restype = self.conv.restype = self.conv_bf16.restype = None
+        self.conv_seq.restype = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -185,6 +187,15 @@ def _native_sequence(steps: NativeSteps, query, key, value, g, beta, initial_sta
     return out.to(query.dtype), (state if output_final_state else None)
 
 
+def _conv_kernel(steps: NativeSteps, *tensors: torch.Tensor | None):
+    """The native convolution step for these tensors (window, token, weight, bias or None): fp32 or bf16, all one
+    dtype, contiguous on the CPU; None for anything else."""
+    given = [t for t in tensors if t is not None]
+    if any(t.device.type != "cpu" or not t.is_contiguous() or t.dtype != given[0].dtype for t in given):
+        return None
+    return {torch.float32: steps.conv, torch.bfloat16: steps.conv_bf16}.get(given[0].dtype)
+
+
 def conv_step(original):
     """transformers' `causal_conv1d_forward` on a `StateView`: one token from a stored window (see the module doc),
     or several tokens natively (the view's window, then the convolution over it); `original` for anything else."""
@@ -210,11 +221,12 @@ def conv_step(original):
                            ACTIVATIONS[activation])
             return out.mT  # [B, C, S], channels last in memory (as the module's own transposed input came)
         x = hidden_states[..., 0].contiguous()
-        if (steps is not None and activation in ACTIVATIONS and previous.shape[-1] == weight.shape[-1]
-                and _native_ready(previous, x, weight, *([] if bias is None else [bias]))):
+        native = None if steps is None or activation not in ACTIVATIONS or previous.shape[-1] != weight.shape[-1] \
+            else _conv_kernel(steps, previous, x, weight, bias)
+        if native is not None:
             out = torch.empty_like(x)
-            steps.conv(previous.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                       out.data_ptr(), x.shape[0], x.shape[1], weight.shape[-1], ACTIVATIONS[activation])
+            native(previous.data_ptr(), x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                   out.data_ptr(), x.shape[0], x.shape[1], weight.shape[-1], ACTIVATIONS[activation])
             cache.values[("conv", state_idx)] = previous  # shifted in place
             return out[..., None]
         window = torch.cat((previous[..., 1:], hidden_states.to(previous.dtype)), dim=-1)  # [B, C, K]

@@ -23,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* One token of one sequence's value head: the step above on its state s [K, V]. Both passes over s go in blocks of
  * BLOCK value columns whose sums stay in registers across the whole key dimension. */
@@ -159,6 +160,49 @@ void conv_step_f32(float *window, const float *x, const float *weight, const flo
         if (silu)  /* a pass of its own: the sums' loop above stays free of the call */
             for (int64_t c = 0; c < channels; c++)
                 ob[c] = ob[c] / (1.f + expf(-ob[c]));
+    }
+}
+
+/* conv_step_bf16: the same step on bf16 windows, inputs and weights (a bf16 model): the products summed in fp32 with
+ * the bias, rounded to bf16 (as a bf16 convolution's output), then SiLU of that value rounded again (as torch's
+ * SiLU on a bf16 tensor). Arguments as conv_step_f32's, bf16 bits. */
+static inline float from_bf16(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
+}
+
+static inline uint16_t to_bf16(float value) {  /* to nearest, ties to even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0u;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+void conv_step_bf16(uint16_t *window, const uint16_t *x, const uint16_t *weight, const uint16_t *bias,
+                    uint16_t *out, int64_t batch, int64_t channels, int64_t width, int64_t silu) {
+#pragma omp parallel for schedule(static)
+    for (int64_t bc = 0; bc < batch * channels; bc++) {
+        const int64_t c = bc % channels;
+        uint16_t *w = window + bc * width;
+        const uint16_t *kernel = weight + c * width;
+        float sum = 0.f;
+        for (int64_t j = 0; j + 1 < width; j++) {
+            w[j] = w[j + 1];
+            sum += from_bf16(w[j]) * from_bf16(kernel[j]);
+        }
+        w[width - 1] = x[bc];
+        sum += from_bf16(x[bc]) * from_bf16(kernel[width - 1]);
+        if (bias)
+            sum += from_bf16(bias[c]);
+        uint16_t result = to_bf16(sum);
+        if (silu) {
+            const float v = from_bf16(result);
+            result = to_bf16(v / (1.f + expf(-v)));
+        }
+        out[bc] = result;
     }
 }
 

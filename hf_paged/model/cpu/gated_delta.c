@@ -1,5 +1,6 @@
-/* One decode step of Gated DeltaNet layers for CPUs: the short convolution's step and the gated delta rule's step,
- * each one pass over its state per sequence and head, fp32.
+/* Gated DeltaNet layers for CPUs: the short convolution's step and the gated delta rule's step (a decode), each one
+ * pass over its state per sequence and head, fp32 (the convolution's step also bf16), and the rule over a sequence
+ * of tokens (a prefill) as the same step token by token.
  *
  * transformers' torch code runs a decode step as a dozen small tensor operations per layer (normalize q and k,
  * decay, two products each summed over the key dimension, an outer product added), each reading and writing a
@@ -13,6 +14,7 @@
  *   out[v] = decay qs[v] + (q . k) delta[v]                          (= q . S' below)
  *   S[k][v] <- decay S[k][v] + k[k] delta[v]                          (the second pass, S still in L1/L2)
  * S: [B, hv, K, V] contiguous, updated in place; q, k: [B, hk, K]; v, out: [B, hv, V]; g, beta: [B, hv].
+ * gdn_seq_f32: the same for L tokens of each sequence, in order (see its comment).
  *
  * conv_step_f32: the depthwise convolution's step: window[b][c] <- (window[b][c][1:], x[b][c]);
  *   out[b][c] = silu?(sum_j window[b][c][j] w[c][j] + bias[c]).  window: [B, C, W] in place; x, out: [B, C].

@@ -57,6 +57,30 @@ def test_counts_padding_tells_models_that_number_the_padding():
     assert not counts_padding(tiny_model("llama"))  # its positions come from the mask (HF's generate passes them)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_counts_padding_in_half_precision_asks_more_prompts(monkeypatch, dtype):
+    """fp32: one prompt decides. bf16 / fp16: a padded row may round otherwise (a router's near tie can make that a
+    large difference on some prompts), so the padding counts only if every one of HALF_PROMPTS prompts differs."""
+    from hf_paged.model import probe
+
+    assert counts_padding(tiny_trocr().to(dtype))  # a padding that counts changes every prompt, in bf16 too
+    asked = []
+
+    def differs(model, seed):
+        asked.append(seed)
+        return seed in scripted
+
+    monkeypatch.setattr(probe, "_padding_differs", differs)
+    model = tiny_model("llama").to(dtype)
+    half = dtype is torch.bfloat16
+    monkeypatch.setattr(probe.verdict_disk, "load", lambda *a: None)
+    for scripted, want, prompts in (({1}, not half, [1, 2] if half else [1]),
+                                    ({1, 2, 3}, True, [1, 2, 3] if half else [1]), (set(), False, [1])):
+        model.__dict__.pop("_hf_paged_counts_padding", None)
+        asked.clear()
+        assert counts_padding(model) is want and asked == prompts
+
+
 def test_the_check_catches_positions_wrong_only_after_cached_context(monkeypatch, one_torch_thread):
     """Positions that are right for a prefill from position 0 and for a one-token decode, but count a chunk of
     several tokens after cached context from 0 (as a module counting from a cache length of 0 would): chunked

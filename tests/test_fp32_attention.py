@@ -109,3 +109,28 @@ def test_a_bf16_model_that_parts_on_one_draw_only_is_served(monkeypatch, caplog,
         with pytest.raises(ValueError, match="'llama'.*does not reproduce"):
             LLM(model)
         assert len(calls) == 1
+
+
+@pytest.mark.parametrize("where", ["_float32_reference", "_another_draw"])
+def test_an_interrupt_in_a_second_opinion_keeps_no_verdict(monkeypatch, where, one_torch_thread):
+    """A bf16 model over the tolerance on the check's first draw, interrupted while a second opinion is computed:
+    nothing is kept as its verdict, so the next engine checks again (and here refuses it) instead of serving it."""
+    real = probe._paged_logits
+
+    def flipped(model, spec, backends, sequences):
+        paged, windows = real(model, spec, backends, sequences)
+        paged[-1][-1] = paged[-1][-1].clone()
+        paged[-1][-1][0] += paged[-1][-1].abs().max()
+        return paged, windows
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(probe, "_paged_logits", flipped)
+    model = tiny_model("llama").to(torch.bfloat16)
+    with monkeypatch.context() as patch:
+        patch.setattr(probe, where, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            LLM(model)
+    with pytest.raises(ValueError, match="'llama'.*does not reproduce"):
+        LLM(model)

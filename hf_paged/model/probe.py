@@ -351,7 +351,6 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             own = _own_by_step(model, sequences, spec.kv.device)
     tolerance = TOLERANCE.get(dtype, 3e-2)
     worst = _worst(paged, own)
-    verdicts[key] = None
     if not worst <= tolerance and dtype in HALF:  # rounding its next layers amplify? (fp32_attention)
         summed = _float32_reference(model, spec, sequences, paged)
         if summed <= tolerance:
@@ -380,6 +379,9 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
                          f"attention (largest logit difference {worst:.2e} of the largest logit, tolerance "
                          f"{tolerance:.0e}){hint}; it is refused rather than served wrong")
         raise ValueError(verdicts[key])
+    # a pass is kept only here, once every opinion is in (an interrupt in a second opinion or the hint's forwards
+    # leaves no verdict: the next engine checks again)
+    verdicts[key] = None
     windows[key] = layer_windows
     verdict_disk.save("check", digest, [[layer, *pair] for layer, pair in sorted(layer_windows.items())])
     return dict(layer_windows)

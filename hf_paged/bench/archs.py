@@ -40,7 +40,7 @@ from .models_census import SIZES as CENSUS_SIZES
 DEFAULT = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "gpt2", "gpt_neox",
            "gptj", "opt", "falcon", "bloom", "mpt", "starcoder2", "olmo2", "granite", "cohere", "stablelm", "smollm3",
            "glm", "qwen3_moe", "mixtral", "gpt_bigcode", "codegen", "ernie4_5", "exaone4", "lfm2", "qwen3_5_text",
-           "falcon_h1")
+           "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "falcon_h1")
 SMALL = ("llama", "gpt2")
 # the census's sizes (models_census.SIZES: its layer counts too), larger: a step does matmuls worth timing, not
 # only Python

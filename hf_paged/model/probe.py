@@ -251,6 +251,28 @@ def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(diff.max()) / max(scale, 1e-6)
 
 
+def _second_opinions(model, spec: ModelSpec, backends: AttentionBackends, sequences: list, paged: list, worst: float,
+                     tolerance: float) -> float:
+    """A half-precision model's paged logits over `tolerance` (`worst`): rounding that its later layers amplify (the
+    float32-attention reference), or a near tie these tokens met (`_another_draw`)? The first that agrees is logged
+    and its difference returned; else `worst`."""
+    opinions = ((lambda: _float32_reference(model, spec, sequences, paged),
+                 "agree with its own forward summing its attention in float32 (%.2e), as hf_paged's attention sums: "
+                 "rounding its later layers amplify (a router's near tie)"),
+                (lambda: _another_draw(model, spec, backends, tolerance),
+                 "agree with it on other random tokens (%.2e), where the float32-attention reference parts on the "
+                 "check's too: a near tie (a router's) that rounding flipped there, not a path that is wrong"))
+    for opinion, why in opinions:
+        other = opinion()
+        if other <= tolerance:
+            logger.warning("hf_paged: model type %r (%s): the paged logits part from its own forward's by %.2e of the "
+                           "largest logit, and " + why + "; served",
+                           getattr(model.config, "model_type", type(model).__name__), next(model.parameters()).dtype,
+                           worst, other)
+            return other
+    return worst
+
+
 def _draw(spec: ModelSpec, seed: int) -> list[list[int]]:
     """The check's random sequences (of LENGTHS tokens) for `seed`."""
     generator = torch.Generator().manual_seed(seed)
@@ -351,22 +373,8 @@ def check_paged_matches_model(model, spec: ModelSpec, backends: AttentionBackend
             own = _own_by_step(model, sequences, spec.kv.device)
     tolerance = TOLERANCE.get(dtype, 3e-2)
     worst = _worst(paged, own)
-    if not worst <= tolerance and dtype in HALF:  # rounding its next layers amplify? (fp32_attention)
-        summed = _float32_reference(model, spec, sequences, paged)
-        if summed <= tolerance:
-            logger.warning("hf_paged: model type %r (%s): the paged logits part from its own forward's by %.2e of the "
-                           "largest logit, and agree with its own forward summing its attention in float32 (%.2e), as "
-                           "hf_paged's attention sums: rounding its later layers amplify (a router's near tie); "
-                           "served", model_type, dtype, worst, summed)
-            worst = summed
-    if not worst <= tolerance and dtype in HALF:  # a near tie these tokens met, or wrong on any tokens?
-        again = _another_draw(model, spec, backends, tolerance)
-        if again <= tolerance:
-            logger.warning("hf_paged: model type %r (%s): the paged logits part from its own forward's by %.2e of the "
-                           "largest logit on the check's random tokens (its attention summed in float32 too), and "
-                           "agree with it on other random tokens (%.2e): a near tie (a router's) that rounding "
-                           "flipped there, not a path that is wrong; served", model_type, dtype, worst, again)
-            worst = again
+    if not worst <= tolerance and dtype in HALF:
+        worst = _second_opinions(model, spec, backends, sequences, paged, worst, tolerance)
     if not worst <= tolerance:  # also catches NaN
         hint = _own_positions(model)
         if spec.has_state and _takes_cache(model):

@@ -142,3 +142,38 @@ def test_conv_step_of_a_bf16_model(steps, monkeypatch, width, bias):
     view.write_back()
     assert torch.equal(slots.tensors[(0, "conv", 0)], full[..., -width:])
     assert not calls
+
+
+def test_a_prefill_and_decode_steps_give_a_token_the_same_bits():
+    """A token's output and the state after it are the same bits whether a prefill (a recompute after preemption)
+    or decode steps compute them: the rule's sequence kernel runs the decode step's code token by token, and the
+    convolution's step sums (bias, then the taps in order, nothing reassociated) as its sequence form does."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as reference
+
+    if gated_delta.native_steps() is None:
+        pytest.skip("no C compiler here")
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 7, 2, 32, generator=gen) for _ in range(2))
+    v = torch.randn(2, 7, 4, 40, generator=gen)
+    g, beta = -torch.rand(2, 7, 4, generator=gen), torch.rand(2, 7, 4, generator=gen)
+    start = torch.randn(2, 4, 32, 40, generator=gen)
+    args = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, state = gated_delta.chunk_rule(reference)(q, k, v, g=g, beta=beta, initial_state=start, **args)
+    stepped, step = start.clone(), gated_delta.recurrent_step(reference)
+    outs = [step(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1],
+                 initial_state=stepped, **args)[0] for t in range(7)]
+    assert torch.equal(torch.cat(outs, dim=1), out) and torch.equal(stepped, state)
+
+    steps = gated_delta.native_steps()
+    for width in (3, 4, 5):
+        x = torch.randn(2, 9, 520, generator=gen)  # [B, T, C]: a prompt's columns, channels last
+        weight, bias = torch.randn(520, width, generator=gen), torch.randn(520, generator=gen)
+        taps, prefill = weight.t().contiguous(), torch.empty(2, 9, 520)
+        steps.conv_seq(x.data_ptr(), taps.data_ptr(), bias.data_ptr(), prefill.data_ptr(), 2, 520, 9, width, 9, 1)
+        window, decoded = torch.zeros(2, 520, width), []
+        for t in range(9):
+            token, result = x[:, t].contiguous(), torch.empty(2, 520)
+            steps.conv(window.data_ptr(), token.data_ptr(), weight.data_ptr(), bias.data_ptr(), result.data_ptr(), 2,
+                       520, width, 1)
+            decoded.append(result)
+        assert torch.equal(torch.stack(decoded, dim=1), prefill)

@@ -19,6 +19,9 @@ made from the function it replaces (`original`), which it calls for anything it 
 - `conv_step` (a single token from a stored window on a `StateView`): the new window (the stored one shifted by the
   token) becomes the state and its products with the kernel the output; natively for fp32 and bf16 windows (bf16:
   what a bf16 convolution and SiLU give, bit for bit).
+Natively, a token's output and the state after it are the same bits whether decode steps or a prefill compute them
+(the sequence kernels run the step's code, or sum in its order): a request recomputed after preemption continues
+exactly where it was.
 """
 from __future__ import annotations
 

@@ -134,3 +134,24 @@ def test_an_interrupt_in_a_second_opinion_keeps_no_verdict(monkeypatch, where, o
             LLM(model)
     with pytest.raises(ValueError, match="'llama'.*does not reproduce"):
         LLM(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_the_paged_path_alone_gives_is_refused_at_any_step(monkeypatch, dtype, one_torch_thread):
+    """A NaN in the paged logits where the model's own forward has none, at the check's last step (not its first):
+    refused, in bf16 too (a NaN is no near tie: no second draw forgives it)."""
+    real = probe._paged_logits
+    draws = []
+
+    def nan_once(model, spec, backends, sequences):
+        paged, windows = real(model, spec, backends, sequences)
+        draws.append(sequences)
+        if len(draws) == 1:
+            paged[-1][-1] = paged[-1][-1].clone()
+            paged[-1][-1][0] = float("nan")
+        return paged, windows
+
+    monkeypatch.setattr(probe, "_paged_logits", nan_once)
+    with pytest.raises(ValueError, match="'llama'.*does not reproduce"):
+        LLM(tiny_model("llama").to(dtype))
+    assert len(draws) == 1

@@ -35,6 +35,7 @@ serving each prompt at its own positions, does not reproduce.
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 import inspect
 
@@ -243,26 +244,27 @@ def _worst(paged: list, own: list) -> float:
 
 def _relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| relative to the largest finite |want|. Entries non-finite in both count as equal (a
-    model whose weights already give NaN for some token is no reason to refuse it); NaN in one only is a mismatch."""
+    model whose weights already give NaN for some token is no reason to refuse it); NaN in one only is a mismatch:
+    inf (a NaN would be lost in a later `max` of several, Python's `max` keeps its first argument over a NaN)."""
     both = ~torch.isfinite(got) & ~torch.isfinite(want)
-    diff = torch.where(both, torch.zeros_like(got), (got - want).abs())
+    diff = float(torch.where(both, torch.zeros_like(got), (got - want).abs()).max())
     finite = want[torch.isfinite(want)]
     scale = float(finite.abs().max()) if finite.numel() else 1.0
-    return float(diff.max()) / max(scale, 1e-6)
+    return math.inf if math.isnan(diff) else diff / max(scale, 1e-6)
 
 
 def _second_opinions(model, spec: ModelSpec, backends: AttentionBackends, sequences: list, paged: list, worst: float,
                      tolerance: float) -> float:
     """A half-precision model's paged logits over `tolerance` (`worst`): rounding that its later layers amplify (the
-    float32-attention reference), or a near tie these tokens met (`_another_draw`)? The first that agrees is logged
-    and its difference returned; else `worst`."""
+    float32-attention reference), or a near tie these tokens met (`_another_draw`; not for a NaN or inf only one side
+    has: no near tie)? The first that agrees is logged and its difference returned; else `worst`."""
     opinions = ((lambda: _float32_reference(model, spec, sequences, paged),
                  "agree with its own forward summing its attention in float32 (%.2e), as hf_paged's attention sums: "
                  "rounding its later layers amplify (a router's near tie)"),
                 (lambda: _another_draw(model, spec, backends, tolerance),
                  "agree with it on other random tokens (%.2e), where the float32-attention reference parts on the "
                  "check's too: a near tie (a router's) that rounding flipped there, not a path that is wrong"))
-    for opinion, why in opinions:
+    for opinion, why in opinions if math.isfinite(worst) else opinions[:1]:
         other = opinion()
         if other <= tolerance:
             logger.warning("hf_paged: model type %r (%s): the paged logits part from its own forward's by %.2e of the "
